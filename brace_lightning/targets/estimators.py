@@ -1,0 +1,179 @@
+"""Config classes for the value targets: they carry and validate hyperparameters, then call a kernel.
+
+Selected in YAML by LightningCLI ``class_path`` (``configs/targets/*.yaml``)::
+
+    model:
+      value_target:
+        class_path: brace_lightning.targets.BRACE
+        init_args: {k: 100, rho_bar: 1.2, c_bar: 1.1}
+"""
+
+from __future__ import annotations
+
+import torch
+
+from brace_lightning.targets import functional as F
+from brace_lightning.targets.functional import ValueTargets
+
+
+class ValueTarget:
+    """Base class: the critic's regression target and the actor's advantage from a rollout batch.
+
+    Subclasses validate their hyperparameters in ``__init__`` (ValueError naming the argument) and
+    compute in ``__call__`` by calling one kernel of :mod:`brace_lightning.targets.functional`.
+    """
+
+    #: Whether the estimator reads the importance weights π/µ (GAE does not).
+    uses_importance_weights: bool = True
+
+    def __call__(
+        self,
+        *,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        target_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> ValueTargets:
+        """All inputs ``[B, T]``; see :mod:`brace_lightning.targets.functional` for conventions."""
+        raise NotImplementedError
+
+    def hparams(self) -> dict[str, object]:
+        """The hyperparameters, for logging and ``repr``."""
+        return dict(vars(self))
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{key}={value!r}" for key, value in self.hparams().items())
+        return f"{type(self).__name__}({args})"
+
+
+class GAE(ValueTarget):
+    """PPO's λ-return: the uncorrected target every peer uses (learns V^µ on stale data)."""
+
+    uses_importance_weights = False
+
+    def __init__(self, *, gamma: float = 1.0, lmbda: float = 1.0) -> None:
+        """
+        Args:
+            gamma: discount per action step, in [0, 1].
+            lmbda: GAE λ, in [0, 1]; 1 regresses the Monte-Carlo return.
+        """
+        F.check_discount("gamma", gamma)
+        F.check_discount("lmbda", lmbda)
+        self.gamma = gamma
+        self.lmbda = lmbda
+
+    def __call__(
+        self,
+        *,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        target_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> ValueTargets:
+        return F.gae(rewards, values, mask, gamma=self.gamma, lmbda=self.lmbda)
+
+
+class VTrace(ValueTarget):
+    """IMPALA's V-trace target with λ (uncapped importance-weight products)."""
+
+    def __init__(
+        self, *, gamma: float = 1.0, lmbda: float = 1.0, rho_bar: float = 1.0, c_bar: float = 1.0
+    ) -> None:
+        """
+        Args:
+            gamma: discount per action step, in [0, 1].
+            lmbda: trace λ, in [0, 1] (c_i = λ·min(c̄, w_i)).
+            rho_bar: truncation ρ̄ of the per-residual weight ρ_t = min(ρ̄, π/µ), > 0.
+            c_bar: truncation c̄ of the trace weights, 0 < c̄ ≤ ρ̄.
+        """
+        F.check_discount("gamma", gamma)
+        F.check_discount("lmbda", lmbda)
+        F.check_truncation(rho_bar, c_bar)
+        self.gamma = gamma
+        self.lmbda = lmbda
+        self.rho_bar = rho_bar
+        self.c_bar = c_bar
+
+    def __call__(
+        self,
+        *,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        target_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> ValueTargets:
+        return F.vtrace(
+            rewards,
+            values,
+            target_logprobs,
+            behavior_logprobs,
+            mask,
+            gamma=self.gamma,
+            lmbda=self.lmbda,
+            rho_bar=self.rho_bar,
+            c_bar=self.c_bar,
+        )
+
+
+class BRACE(ValueTarget):
+    """BRACE: k-capped V-trace with an anchored Monte-Carlo tail (paper defaults)."""
+
+    def __init__(
+        self,
+        *,
+        gamma: float = 1.0,
+        lmbda: float = 1.0,
+        rho_bar: float = 1.2,
+        c_bar: float = 1.1,
+        k: int | None = 100,
+        mc_tail: bool = True,
+    ) -> None:
+        """
+        Args:
+            gamma: discount per action step, in [0, 1].
+            lmbda: trace λ, in [0, 1].
+            rho_bar: truncation ρ̄ of the per-residual weight, > 0 (paper: 1.2).
+            c_bar: truncation c̄ of the trace weights, 0 < c̄ ≤ ρ̄ (paper: 1.1).
+            k: most importance factors in any weight product, an int >= 0 (paper: 100);
+                None removes the cap (V-trace's target).
+            mc_tail: weight residuals past the cap by 1 so they telescope to the realized return
+                (paper default); False keeps ρ_t there (the paper's ablation).
+        """
+        F.check_discount("gamma", gamma)
+        F.check_discount("lmbda", lmbda)
+        F.check_truncation(rho_bar, c_bar)
+        F.check_cap(k)
+        if not isinstance(mc_tail, bool):
+            raise ValueError(f"mc_tail must be a bool; got {mc_tail!r}.")
+        self.gamma = gamma
+        self.lmbda = lmbda
+        self.rho_bar = rho_bar
+        self.c_bar = c_bar
+        self.k = k
+        self.mc_tail = mc_tail
+
+    def __call__(
+        self,
+        *,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        target_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+    ) -> ValueTargets:
+        return F.brace(
+            rewards,
+            values,
+            target_logprobs,
+            behavior_logprobs,
+            mask,
+            gamma=self.gamma,
+            lmbda=self.lmbda,
+            rho_bar=self.rho_bar,
+            c_bar=self.c_bar,
+            k=self.k,
+            mc_tail=self.mc_tail,
+        )

@@ -1,0 +1,370 @@
+"""Value-target kernels: PPO-GAE (λ-return), V-trace and BRACE over token-level ``[B, T]`` tensors.
+
+Conventions (``shared/DESIGN.md``): ``mask[b, t]`` is True where column t is an action. The next
+state of action t is the next action of the same row; columns between two actions (tool output,
+prompt, padding) are environment transitions and are skipped, so γ, λ and the cap k count action
+steps only. After a row's last action the value is 0. Anything at non-action columns is ignored.
+
+How it is computed. Each row's actions are first packed to the left (``[B, L]``, L = the most
+actions in any row), where all three estimators are the same first-order linear recurrence run
+backwards in time,
+
+    x_s = b_s + a_s · x_{s+1},
+
+summed either to the end of the row (GAE, V-trace, the BRACE tail) or over a window of k steps
+(the BRACE correction window). One routine, :func:`windowed_scan`, computes both by doubling
+(Hillis–Steele): windows of length 2^m are composed from two of length 2^(m−1), and a window of
+length k from the binary digits of k. Cost O(B·L·log min(k, L)) with O(B·L) extra memory, no loop
+over time steps and no ``(B, T, k)`` intermediate. Every weight product it forms spans at most
+min(k, L) factors, which is why BRACE stays finite where long V-trace products overflow.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+__all__ = [
+    "ValueTargets",
+    "brace",
+    "check_discount",
+    "check_truncation",
+    "check_cap",
+    "gae",
+    "vtrace",
+    "windowed_scan",
+]
+
+
+class ValueTargets(NamedTuple):
+    """Output of every value-target kernel, both ``[B, T]`` in the input dtype, 0 at non-actions.
+
+    ``advantages`` feed the actor objective; ``returns`` are the critic's regression target.
+    """
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def check_discount(name: str, value: float) -> None:
+    """Raise ValueError unless ``value`` (γ or λ) is a number in [0, 1]."""
+    if not isinstance(value, int | float) or not 0.0 <= float(value) <= 1.0:
+        raise ValueError(f"{name} must be a number in [0, 1]; got {value!r}.")
+
+
+def check_truncation(rho_bar: float, c_bar: float) -> None:
+    """Raise ValueError unless 0 < c̄ ≤ ρ̄ < ∞ (the truncation levels of the importance weights)."""
+    for name, value in (("rho_bar", rho_bar), ("c_bar", c_bar)):
+        if not isinstance(value, int | float) or not 0.0 < float(value) < math.inf:
+            raise ValueError(f"{name} must be a positive finite number; got {value!r}.")
+    if c_bar > rho_bar:
+        raise ValueError(f"c_bar must not exceed rho_bar={rho_bar!r}; got c_bar={c_bar!r}.")
+
+
+def check_cap(k: int | None) -> None:
+    """Raise ValueError unless the correction cap ``k`` is an int ≥ 0 (or None for no cap)."""
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+        raise ValueError(f"k must be an integer >= 0 or None (no cap); got {k!r}.")
+
+
+def _check_inputs(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"mask must be a torch.bool tensor (True at actions); got {what}.")
+    if mask.dim() != 2:
+        raise ValueError(f"mask must have shape [B, T]; got {tuple(mask.shape)}.")
+    for name, tensor in tensors.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            what = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+            raise ValueError(f"{name} must be a floating-point tensor; got {what}.")
+        if tensor.shape != mask.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(tensor.shape)}; expected {tuple(mask.shape)} like mask."
+            )
+        if tensor.device != mask.device:
+            raise ValueError(f"{name} is on {tensor.device}; expected {mask.device} like mask.")
+        if not bool(torch.isfinite(tensor[mask]).all()):
+            raise ValueError(f"{name} has non-finite values at action positions; expected finite.")
+
+
+# --------------------------------------------------------------------------- packing
+
+
+class _Packed(NamedTuple):
+    dest: torch.Tensor  # [B, T] column of each action in the packed layout, L at non-actions
+    valid: torch.Tensor  # [B, L] True at packed actions
+    length: int  # L
+
+
+def _pack_layout(mask: torch.Tensor) -> _Packed:
+    count = mask.sum(dim=1)
+    length = int(count.max()) if mask.numel() else 0
+    dest = torch.where(
+        mask, mask.long().cumsum(dim=1) - 1, torch.full_like(mask, length, dtype=torch.long)
+    )
+    valid = torch.arange(length, device=mask.device) < count.unsqueeze(1)
+    return _Packed(dest, valid, length)
+
+
+def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T]`` → ``[B, L]``: each row's action values moved left, 0 after the row's actions."""
+    out = torch.zeros(x.shape[0], layout.length + 1, dtype=dtype, device=x.device)
+    out.scatter_(1, layout.dest, x.to(dtype))
+    return out[:, : layout.length]
+
+
+def _unpack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, L]`` → ``[B, T]``: inverse of :func:`_pack`, 0 at non-actions."""
+    padded = torch.nn.functional.pad(x, (0, 1))
+    return padded.gather(1, layout.dest).to(dtype)
+
+
+def _shift(x: torch.Tensor, n: int, fill: float) -> torch.Tensor:
+    """``y[:, s] = x[:, s + n]``, ``fill`` past the end."""
+    if n >= x.shape[1]:
+        return torch.full_like(x, fill)
+    return torch.nn.functional.pad(x[:, n:], (0, n), value=fill)
+
+
+# --------------------------------------------------------------------------- the scan
+
+
+def windowed_scan(
+    a: torch.Tensor, b: torch.Tensor, window: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Windowed backward linear recurrence over packed rows, by doubling.
+
+    For every s, with n = L (pad rows with ``a = 1, b = 0`` past their end):
+
+        x_s = Σ_{t=s}^{j−1} (Π_{i=s}^{t−1} a_i) b_t,    p_s = Π_{i=s}^{j−1} a_i,    j = min(s + window, n).
+
+    ``window=None`` (or ≥ L) sums to the end of the row: x_s = b_s + a_s x_{s+1}.
+
+    Args:
+        a: ``[B, L]`` per-step decay (γλ for GAE, γ·c_i for V-trace and BRACE).
+        b: ``[B, L]`` per-step increment (δ, ρδ, or the reward).
+        window: number of steps summed from each s; None for no limit.
+
+    Returns:
+        ``(x, p)``, both ``[B, L]``.
+    """
+    length = a.shape[1]
+    remaining = length if window is None else min(window, length)
+    x_acc, p_acc = torch.zeros_like(b), torch.ones_like(a)  # the empty window
+    x_m, p_m, span = b, a, 1  # windows of length `span` starting at each s
+    while remaining:
+        if remaining & 1:
+            # [s, s + span + r) = [s, s + span) followed by the accumulated window of length r.
+            x_acc = x_m + p_m * _shift(x_acc, span, 0.0)
+            p_acc = p_m * _shift(p_acc, span, 1.0)
+        remaining >>= 1
+        if remaining:
+            x_m = x_m + p_m * _shift(x_m, span, 0.0)
+            p_m = p_m * _shift(p_m, span, 1.0)
+            span *= 2
+    return x_acc, p_acc
+
+
+# --------------------------------------------------------------------------- estimators
+
+
+def _work_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision sums over thousands of steps lose the reward; accumulate in float32 at least.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _per_step(valid: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.Tensor:
+    """``factor`` at packed actions, 1 past each row's end (so products stop at the row's end)."""
+    one = torch.ones((), dtype=dtype, device=valid.device)
+    return torch.where(valid, one * factor, one)
+
+
+def _truncated_weight(log_ratio: torch.Tensor, bar: float) -> torch.Tensor:
+    """min(bar, exp(log_ratio)) without overflowing for large log-ratios."""
+    return torch.exp(torch.clamp(log_ratio, max=math.log(bar)))
+
+
+def gae(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lmbda: float = 1.0,
+) -> ValueTargets:
+    """Generalized advantage estimation (Schulman et al. 2016) over action steps.
+
+    δ_t = r_t + γ V(next) − V(t);  A_s = Σ_{t≥s} (γλ)^(n_t − n_s) δ_t;  returns = A + V.
+
+    Args:
+        rewards, values: ``[B, T]`` floating point; only action columns are read.
+        mask: ``[B, T]`` bool, True at actions.
+        gamma, lmbda: discount and GAE λ in [0, 1], counted in action steps.
+    """
+    check_discount("gamma", gamma)
+    check_discount("lmbda", lmbda)
+    _check_inputs(mask, rewards=rewards, values=values)
+    layout = _pack_layout(mask)
+    work = _work_dtype(values.dtype)
+    r, v = _pack(rewards, layout, work), _pack(values, layout, work)
+    delta = r + gamma * _shift(v, 1, 0.0) - v
+    decay = _per_step(layout.valid, gamma * lmbda, work)
+    adv, _ = windowed_scan(decay, delta)
+    return ValueTargets(_unpack(adv, layout, values.dtype), _unpack(adv + v, layout, values.dtype))
+
+
+def _corrected_targets(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float,
+    lmbda: float,
+    rho_bar: float,
+    c_bar: float,
+    k: int | None,
+    mc_tail: bool,
+    rho_in_advantage: bool,
+) -> ValueTargets:
+    """Shared body of :func:`vtrace` (k=None) and :func:`brace`; see their docstrings."""
+    check_discount("gamma", gamma)
+    check_discount("lmbda", lmbda)
+    check_truncation(rho_bar, c_bar)
+    check_cap(k)
+    _check_inputs(
+        mask,
+        rewards=rewards,
+        values=values,
+        target_logprobs=target_logprobs,
+        behavior_logprobs=behavior_logprobs,
+    )
+    layout = _pack_layout(mask)
+    work = _work_dtype(values.dtype)
+    r, v = _pack(rewards, layout, work), _pack(values, layout, work)
+    log_w = _pack(target_logprobs, layout, work) - _pack(behavior_logprobs, layout, work)
+    rho = _truncated_weight(log_w, rho_bar)
+    c = lmbda * _truncated_weight(log_w, c_bar)
+
+    delta = r + gamma * _shift(v, 1, 0.0) - v
+    decay = torch.where(layout.valid, gamma * c, 1.0)
+    correction, path_weight = windowed_scan(decay, rho * delta, k)
+    target = v + correction
+    if k is not None and k < layout.length:
+        # Residuals past the window j = s + k all carry the frozen weight Π_k(s) (path_weight
+        # holds γ^k Π_k(s)). With u_t = 1 they telescope to the discounted return-to-go G_j minus
+        # V_j, which is how we compute them: exact telescoping, no alternating-sign noise.
+        discount = _per_step(layout.valid, gamma, work)
+        if mc_tail:
+            return_to_go, _ = windowed_scan(discount, r)
+            tail = return_to_go - v
+        else:
+            tail, _ = windowed_scan(discount, rho * delta)
+        target = target + path_weight * _shift(tail, k, 0.0)
+
+    target = torch.where(layout.valid, target, 0.0)
+    advantage = r + gamma * _shift(target, 1, 0.0) - v
+    if rho_in_advantage:
+        advantage = rho * advantage
+    return ValueTargets(
+        _unpack(advantage, layout, values.dtype), _unpack(target, layout, values.dtype)
+    )
+
+
+def vtrace(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lmbda: float = 1.0,
+    rho_bar: float = 1.0,
+    c_bar: float = 1.0,
+) -> ValueTargets:
+    """V-trace (Espeholt et al. 2018, eq. 1) with λ, over action steps.
+
+    w = π/µ, ρ_t = min(ρ̄, w_t), c_i = λ·min(c̄, w_i), δ_t = r_t + γ V(next) − V(t):
+
+        v_s = V_s + Σ_{t≥s} γ^(t−s) (Π_{i=s}^{t−1} c_i) ρ_t δ_t;   A_s = ρ_s (r_s + γ v_{s+1} − V_s).
+
+    With λ·c̄ > 1 the weight products grow without bound along long rows; they are not clipped here
+    (that failure is what BRACE's cap removes) and may overflow to inf.
+
+    Args:
+        rewards, values: ``[B, T]``; only action columns are read.
+        target_logprobs: ``[B, T]`` log π of the taken tokens (the trainer's policy).
+        behavior_logprobs: ``[B, T]`` log µ recorded by the engine.
+        mask: ``[B, T]`` bool, True at actions.
+        gamma, lmbda: in [0, 1].  rho_bar, c_bar: truncation levels, 0 < c̄ ≤ ρ̄.
+    """
+    return _corrected_targets(
+        rewards,
+        values,
+        target_logprobs,
+        behavior_logprobs,
+        mask,
+        gamma=gamma,
+        lmbda=lmbda,
+        rho_bar=rho_bar,
+        c_bar=c_bar,
+        k=None,
+        mc_tail=False,
+        rho_in_advantage=True,
+    )
+
+
+def brace(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    gamma: float = 1.0,
+    lmbda: float = 1.0,
+    rho_bar: float = 1.2,
+    c_bar: float = 1.1,
+    k: int | None = 100,
+    mc_tail: bool = True,
+) -> ValueTargets:
+    """BRACE: k-capped importance-weighted Bellman residuals plus an anchored Monte-Carlo tail.
+
+    With j = min(s + k, end + 1) in action steps and Π_k(s) = Π_{i=s}^{j−1} c_i (paper §4.1–4.2):
+
+        v_s = V_s + Σ_{t=s}^{j−1} γ^(t−s) (Π_{i=s}^{t−1} c_i) ρ_t δ_t + Π_k(s) Σ_{t=j}^{end} γ^(t−s) u_t δ_t,
+
+    u_t = 1 (Monte-Carlo tail, which telescopes to Π_k(s)[γ^(end−s) R − γ^(j−s) V_j] for a terminal
+    reward) or u_t = ρ_t (``mc_tail=False``, the paper's ablation). Advantage Â_s = r_s + γ v_{s+1} − V_s.
+    k = 0 gives the discounted Monte-Carlo return, k ≥ row length (or None) gives V-trace's target.
+
+    Args:
+        rewards, values: ``[B, T]``; only action columns are read.
+        target_logprobs: ``[B, T]`` log π of the taken tokens (the trainer's policy).
+        behavior_logprobs: ``[B, T]`` log µ recorded by the engine.
+        mask: ``[B, T]`` bool, True at actions.
+        gamma, lmbda: in [0, 1].  rho_bar, c_bar: truncation levels, 0 < c̄ ≤ ρ̄.
+        k: cap on the number of importance factors in any product (int ≥ 0; None = no cap).
+        mc_tail: weight the residuals past the cap by 1 (True) or by ρ_t (False).
+    """
+    return _corrected_targets(
+        rewards,
+        values,
+        target_logprobs,
+        behavior_logprobs,
+        mask,
+        gamma=gamma,
+        lmbda=lmbda,
+        rho_bar=rho_bar,
+        c_bar=c_bar,
+        k=k,
+        mc_tail=mc_tail,
+        rho_in_advantage=False,
+    )
