@@ -88,8 +88,6 @@ def _check_inputs(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
             )
         if tensor.device != mask.device:
             raise ValueError(f"{name} is on {tensor.device}; expected {mask.device} like mask.")
-        if not bool(torch.isfinite(tensor[mask]).all()):
-            raise ValueError(f"{name} has non-finite values at action positions; expected finite.")
 
 
 # --------------------------------------------------------------------------- packing
@@ -111,11 +109,18 @@ def _pack_layout(mask: torch.Tensor) -> _Packed:
     return _Packed(dest, valid, length)
 
 
-def _pack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
-    """``[B, T]`` → ``[B, L]``: each row's action values moved left, 0 after the row's actions."""
+def _pack(name: str, x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, T]`` → ``[B, L]``: each row's action values moved left, 0 after the row's actions.
+
+    Raises ValueError naming ``name`` if an action value is not finite (non-actions are dropped
+    here, so garbage there never reaches the arithmetic)."""
     out = torch.zeros(x.shape[0], layout.length + 1, dtype=dtype, device=x.device)
     out.scatter_(1, layout.dest, x.to(dtype))
-    return out[:, : layout.length]
+    out = out[:, : layout.length]
+    # One reduction first; the elementwise check runs only when the sum is not finite.
+    if not bool(torch.isfinite(out.sum())) and not bool(torch.isfinite(out).all()):
+        raise ValueError(f"{name} has non-finite values at action positions; expected finite.")
+    return out
 
 
 def _unpack(x: torch.Tensor, layout: _Packed, dtype: torch.dtype) -> torch.Tensor:
@@ -134,9 +139,31 @@ def _shift(x: torch.Tensor, n: int, fill: float) -> torch.Tensor:
 # --------------------------------------------------------------------------- the scan
 
 
+def _compose(
+    x_head: torch.Tensor,
+    p_head: torch.Tensor,
+    x_tail: torch.Tensor,
+    p_tail: torch.Tensor | None,
+    span: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Window [s, s + span) (``head``) followed by the window starting at s + span (``tail``):
+    x = x_head + p_head · x_tail[s + span], p = p_head · p_tail[s + span]; past the end the tail
+    is the empty window (x = 0, p = 1), so those columns keep the head unchanged."""
+    keep = max(x_head.shape[1] - span, 0)
+    x = torch.empty_like(x_head)
+    torch.addcmul(x_head[:, :keep], p_head[:, :keep], x_tail[:, span:], out=x[:, :keep])
+    x[:, keep:] = x_head[:, keep:]
+    if p_tail is None:
+        return x, None
+    p = torch.empty_like(p_head)
+    torch.mul(p_head[:, :keep], p_tail[:, span:], out=p[:, :keep])
+    p[:, keep:] = p_head[:, keep:]
+    return x, p
+
+
 def windowed_scan(
-    a: torch.Tensor, b: torch.Tensor, window: int | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
+    a: torch.Tensor, b: torch.Tensor, window: int | None = None, *, with_products: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Windowed backward linear recurrence over packed rows, by doubling.
 
     For every s, with n = L (pad rows with ``a = 1, b = 0`` past their end):
@@ -149,24 +176,29 @@ def windowed_scan(
         a: ``[B, L]`` per-step decay (γλ for GAE, γ·c_i for V-trace and BRACE).
         b: ``[B, L]`` per-step increment (δ, ρδ, or the reward).
         window: number of steps summed from each s; None for no limit.
+        with_products: also return p (else None), which costs one multiply per level.
 
     Returns:
         ``(x, p)``, both ``[B, L]``.
     """
     length = a.shape[1]
     remaining = length if window is None else min(window, length)
-    x_acc, p_acc = torch.zeros_like(b), torch.ones_like(a)  # the empty window
+    if remaining == 0:
+        return torch.zeros_like(b), torch.ones_like(a) if with_products else None
+    x_acc: torch.Tensor | None = None  # the window of the binary digits of `window` seen so far
+    p_acc: torch.Tensor | None = None
     x_m, p_m, span = b, a, 1  # windows of length `span` starting at each s
     while remaining:
         if remaining & 1:
-            # [s, s + span + r) = [s, s + span) followed by the accumulated window of length r.
-            x_acc = x_m + p_m * _shift(x_acc, span, 0.0)
-            p_acc = p_m * _shift(p_acc, span, 1.0)
+            if x_acc is None:
+                x_acc, p_acc = x_m, p_m if with_products else None
+            else:
+                x_acc, p_acc = _compose(x_m, p_m, x_acc, p_acc, span)
         remaining >>= 1
         if remaining:
-            x_m = x_m + p_m * _shift(x_m, span, 0.0)
-            p_m = p_m * _shift(p_m, span, 1.0)
+            x_m, p_m = _compose(x_m, p_m, x_m, p_m, span)
             span *= 2
+    assert x_acc is not None
     return x_acc, p_acc
 
 
@@ -182,6 +214,14 @@ def _per_step(valid: torch.Tensor, factor: float, dtype: torch.dtype) -> torch.T
     """``factor`` at packed actions, 1 past each row's end (so products stop at the row's end)."""
     one = torch.ones((), dtype=dtype, device=valid.device)
     return torch.where(valid, one * factor, one)
+
+
+def _discounted_sum(b: torch.Tensor, factor: float, valid: torch.Tensor) -> torch.Tensor:
+    """Σ_{t≥s} factor^(t−s) b_t along packed rows (``b`` is 0 past each row's end)."""
+    if factor == 1.0:  # the paper's γ = λ = 1: a reverse cumulative sum, no scan needed
+        return b.flip(1).cumsum(1).flip(1)
+    x, _ = windowed_scan(_per_step(valid, factor, b.dtype), b, with_products=False)
+    return x
 
 
 def _truncated_weight(log_ratio: torch.Tensor, bar: float) -> torch.Tensor:
@@ -211,10 +251,9 @@ def gae(
     _check_inputs(mask, rewards=rewards, values=values)
     layout = _pack_layout(mask)
     work = _work_dtype(values.dtype)
-    r, v = _pack(rewards, layout, work), _pack(values, layout, work)
+    r, v = _pack("rewards", rewards, layout, work), _pack("values", values, layout, work)
     delta = r + gamma * _shift(v, 1, 0.0) - v
-    decay = _per_step(layout.valid, gamma * lmbda, work)
-    adv, _ = windowed_scan(decay, delta)
+    adv = _discounted_sum(delta, gamma * lmbda, layout.valid)
     return ValueTargets(_unpack(adv, layout, values.dtype), _unpack(adv + v, layout, values.dtype))
 
 
@@ -247,25 +286,27 @@ def _corrected_targets(
     )
     layout = _pack_layout(mask)
     work = _work_dtype(values.dtype)
-    r, v = _pack(rewards, layout, work), _pack(values, layout, work)
-    log_w = _pack(target_logprobs, layout, work) - _pack(behavior_logprobs, layout, work)
+    r, v = _pack("rewards", rewards, layout, work), _pack("values", values, layout, work)
+    log_w = _pack("target_logprobs", target_logprobs, layout, work) - _pack(
+        "behavior_logprobs", behavior_logprobs, layout, work
+    )
     rho = _truncated_weight(log_w, rho_bar)
     c = lmbda * _truncated_weight(log_w, c_bar)
 
     delta = r + gamma * _shift(v, 1, 0.0) - v
     decay = torch.where(layout.valid, gamma * c, 1.0)
-    correction, path_weight = windowed_scan(decay, rho * delta, k)
+    capped = k is not None and k < layout.length
+    correction, path_weight = windowed_scan(decay, rho * delta, k, with_products=capped)
     target = v + correction
-    if k is not None and k < layout.length:
+    if capped:
+        assert path_weight is not None and k is not None
         # Residuals past the window j = s + k all carry the frozen weight Π_k(s) (path_weight
         # holds γ^k Π_k(s)). With u_t = 1 they telescope to the discounted return-to-go G_j minus
         # V_j, which is how we compute them: exact telescoping, no alternating-sign noise.
-        discount = _per_step(layout.valid, gamma, work)
         if mc_tail:
-            return_to_go, _ = windowed_scan(discount, r)
-            tail = return_to_go - v
+            tail = _discounted_sum(r, gamma, layout.valid) - v
         else:
-            tail, _ = windowed_scan(discount, rho * delta)
+            tail = _discounted_sum(rho * delta, gamma, layout.valid)
         target = target + path_weight * _shift(tail, k, 0.0)
 
     target = torch.where(layout.valid, target, 0.0)

@@ -1,0 +1,74 @@
+"""Shared helpers for the benchmark scripts: medians of repeated runs and peak extra memory."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+
+def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1) -> float:
+    """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def in_mmap_subprocess(module: str, args: list[str]) -> str:
+    """Run ``python -m module *args`` with glibc's mmap threshold fixed at 64 KiB; its stdout.
+
+    glibc raises its mmap threshold dynamically after the first large free, after which freed
+    tensors stay in the heap and the resident high-water mark no longer tracks live tensors. With a
+    fixed threshold every tensor above 64 KiB has its own mapping, returned to the OS on free, so
+    :func:`peak_extra_mib` is exact. It also slows every allocation, so timings are taken elsewhere.
+    """
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, check=True
+    )
+    return done.stdout
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field}")
+
+
+def peak_extra_mib(fn: Callable[[], object], device: str = "cpu") -> float | None:
+    """Peak memory ``fn()`` allocates above what was live before it, in MiB.
+
+    CUDA: the allocator's peak counter. CPU (Linux): the process's resident high-water mark, reset
+    through ``/proc/self/clear_refs`` before the call (large tensors are mmap-ed and returned on
+    free when run under :func:`in_mmap_subprocess`). None where neither is available.
+    """
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return (torch.cuda.max_memory_allocated() - before) / 2**20
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        before = _status_kib("VmRSS")
+        fn()
+        return max(0, _status_kib("VmHWM") - before) / 1024
+    except OSError:
+        return None
