@@ -1,0 +1,239 @@
+"""The synchronous rollout data module: one fresh rollout batch per training step.
+
+Each training step pulls one :class:`~brace_lightning.rollout.types.RolloutBatch` (the module's
+``training_step`` takes the iterator, so Lightning prefetches nothing and a batch is generated only
+after the previous step's weights were published). With ``lag = 0`` the engine samples with the
+trainer's current weights (synchronous on-policy PPO, staleness 0). With ``lag = S`` the engine
+always holds the weights of exactly S versions ago (``lag_mode: fixed`` of the async design),
+independent of timing, so staleness sweeps are reproducible on any machine.
+
+Staleness is re-checked when a batch is handed to the trainer: a row whose oldest token is more
+than ``max_staleness`` versions old is dropped and counted (``dropped_stale``). Counts are conserved:
+generated = trained + dropped (by reason); this module buffers nothing between steps.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, IterableDataset
+from transformers import PreTrainedTokenizerBase
+
+from brace_lightning.models import load_tokenizer
+from brace_lightning.rollout.collect import collect_rollouts
+from brace_lightning.rollout.embedded import EmbeddedEngine
+from brace_lightning.rollout.engine import RolloutEngine
+from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.tasks.base import PromptSource, RewardFunction
+
+EngineFactory = Callable[[nn.Module], RolloutEngine]
+
+COUNTERS = ("generated", "trained", "dropped_stale", "dropped_reward_error", "dropped_empty")
+
+
+class _RolloutStream(IterableDataset):
+    """Endless stream of rollout batches produced by ``datamodule.next_batch()``."""
+
+    def __init__(self, datamodule: RolloutDataModule) -> None:
+        self.datamodule = datamodule
+
+    def __iter__(self) -> Iterator[RolloutBatch]:
+        while True:
+            yield self.datamodule.next_batch()
+
+
+class RolloutDataModule(pl.LightningDataModule):
+    """Generates rollout batches with an engine that holds the actor's (possibly lagged) weights.
+
+    Args:
+        task: where prompts come from (e.g. ``brace_lightning.tasks.ArithmeticTask``).
+        reward: the verifier (e.g. ``brace_lightning.tasks.ArithmeticReward``).
+        tokenizer: tokenizer source: ``"tiny-char"`` (built-in character tokenizer), a local path
+            or a hub name. Linked to ``model.actor`` by the CLI.
+        engine: builds the rollout engine from the actor (``class_path`` of an engine whose first
+            argument is the model, e.g. ``brace_lightning.rollout.EmbeddedEngine``); None uses the
+            embedded engine with its defaults.
+        prompts_per_step: prompts per rollout batch.
+        samples_per_prompt: responses per prompt (a group).
+        lag: the engine samples with the weights of exactly ``lag`` versions ago (0 = on-policy).
+        max_staleness: rows older than this many versions when consumed are dropped; None = no
+            bound. Must be >= ``lag`` (else every batch would be dropped).
+        seed: seed of the prompt draws.
+    """
+
+    def __init__(
+        self,
+        *,
+        task: PromptSource,
+        reward: RewardFunction,
+        tokenizer: str = "tiny-char",
+        engine: EngineFactory | None = None,
+        prompts_per_step: int = 16,
+        samples_per_prompt: int = 4,
+        lag: int = 0,
+        max_staleness: int | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (
+            ("prompts_per_step", prompts_per_step, 1),
+            ("samples_per_prompt", samples_per_prompt, 1),
+            ("lag", lag, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+        if max_staleness is not None and (
+            not isinstance(max_staleness, int) or max_staleness < lag
+        ):
+            raise ValueError(
+                f"max_staleness must be None or an integer >= lag={lag}; got {max_staleness!r}."
+            )
+        self.task = task
+        self.reward = reward
+        self.tokenizer_source = tokenizer
+        self.engine_factory = engine
+        self.prompts_per_step = prompts_per_step
+        self.samples_per_prompt = samples_per_prompt
+        self.lag = lag
+        self.max_staleness = max_staleness
+        self.seed = seed
+        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer)
+        self.engine: RolloutEngine | None = None
+        self.trainer_version = 0
+        self.counters: dict[str, int] = dict.fromkeys(COUNTERS, 0)
+        self._generator = torch.Generator().manual_seed(seed)
+        self._next_group = 0
+        # version -> CPU weights, kept while a lagged engine may still need them
+        self._history: OrderedDict[int, dict[str, torch.Tensor]] = OrderedDict()
+        self._engine_state: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+
+    def train_dataloader(self) -> DataLoader:
+        # batch_size=None: the stream already yields whole batches; no worker processes, because
+        # the engine must see the weights published by the training process after every step.
+        return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
+
+    def teardown(self, stage: str) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "generator": self._generator.get_state(),
+            "trainer_version": self.trainer_version,
+            "counters": dict(self.counters),
+            "next_group": self._next_group,
+            "history": dict(self._history),
+            "engine": None if self.engine is None else self.engine.state_dict(),
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._generator.set_state(state_dict["generator"])
+        self.trainer_version = int(state_dict["trainer_version"])
+        self.counters = dict(state_dict["counters"])
+        self._next_group = int(state_dict["next_group"])
+        self._history = OrderedDict(sorted(state_dict["history"].items()))
+        self._engine_state = state_dict["engine"]
+        self.engine = None  # rebuilt from the restored actor on the next batch
+
+    # ------------------------------------------------------------------ weights and versions
+
+    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """The trainer finished version ``version``; hand the engine the weights it should use."""
+        if version <= self.trainer_version and self.engine is not None:
+            raise ValueError(
+                f"publish got version={version}; expected a version above the last one "
+                f"({self.trainer_version})."
+            )
+        self.trainer_version = version
+        if self.lag == 0:
+            if self.engine is not None:
+                self.engine.update_weights(weights, version)
+            return
+        self._history[version] = _cpu_copy(weights)
+        behavior_version = version - self.lag
+        for old in [v for v in self._history if v < behavior_version]:
+            del self._history[old]
+        if self.engine is not None and behavior_version in self._history:
+            self.engine.update_weights(self._history[behavior_version], behavior_version)
+
+    def _ensure_engine(self) -> RolloutEngine:
+        if self.engine is not None:
+            return self.engine
+        if self.trainer is None or self.trainer.lightning_module is None:
+            raise RuntimeError(
+                "RolloutDataModule needs a Trainer with a model to build its engine."
+            )
+        module = self.trainer.lightning_module
+        actor: nn.Module = module.actor
+        factory = self.engine_factory or EmbeddedEngine
+        engine = factory(actor)
+        if self.lag and not self._history:
+            self._history[0] = _cpu_copy(actor.state_dict())  # the lagged engine starts here
+        behavior_version = max(0, self.trainer_version - self.lag)
+        if self.lag and behavior_version in self._history:
+            engine.update_weights(self._history[behavior_version], behavior_version)
+        elif self.lag == 0 and self.trainer_version:
+            engine.update_weights(actor.state_dict(), self.trainer_version)
+        elif self.lag and self.trainer_version:
+            raise RuntimeError(
+                f"RolloutDataModule lost the weights of version {behavior_version} needed by "
+                f"lag={self.lag}; the checkpoint does not carry them."
+            )
+        if self._engine_state is not None:
+            engine.load_state_dict(self._engine_state)
+            self._engine_state = None
+        self.engine = engine
+        return engine
+
+    # ------------------------------------------------------------------ batches
+
+    def next_batch(self) -> RolloutBatch:
+        """Generate, score and staleness-check one rollout batch."""
+        engine = self._ensure_engine()
+        prompts = self.task.sample(self.prompts_per_step, self._generator)
+        batch = collect_rollouts(
+            engine,
+            prompts,
+            self.tokenizer,
+            self.reward,
+            num_samples=self.samples_per_prompt,
+            group_id_offset=self._next_group,
+        )
+        self._next_group += len(prompts)
+        generated = len(prompts) * self.samples_per_prompt
+        dropped_reward = int(batch.info.get("dropped_reward_error", 0))
+        staleness = self.trainer_version - batch.min_versions()
+        keep = batch.mask.any(dim=1)
+        dropped_empty = int((~keep).sum())
+        stale = keep & (staleness > self.max_staleness) if self.max_staleness is not None else None
+        if stale is not None:
+            keep &= ~stale
+        dropped_stale = 0 if stale is None else int(stale.sum())
+        if not bool(keep.all()):
+            batch = batch.select(keep)
+        self.counters["generated"] += generated
+        self.counters["dropped_reward_error"] += dropped_reward
+        self.counters["dropped_stale"] += dropped_stale
+        self.counters["dropped_empty"] += dropped_empty
+        self.counters["trained"] += len(batch)
+        batch.info.update(
+            {
+                "staleness_mean": float(staleness[keep].float().mean()) if len(batch) else 0.0,
+                "staleness_max": float(staleness[keep].max()) if len(batch) else 0.0,
+                "engine_version": float(engine.version),
+                "temperature": float(engine.temperature),
+                **{f"count/{name}": float(value) for name, value in self.counters.items()},
+            }
+        )
+        return batch
+
+
+def _cpu_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: value.detach().to("cpu", copy=True) for name, value in weights.items()}

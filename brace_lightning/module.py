@@ -1,0 +1,476 @@
+"""The LightningModule: actor + critic, one PPO update per rollout batch, logging.
+
+One ``training_step`` consumes one rollout batch (pulled from the data module's iterator, so nothing
+is prefetched with stale weights) and does, in this order:
+
+1. log π of every token under the actor at the start of the step (``proximal`` / target policy),
+   the critic's values V, and (PPO-EWMA only) log-probs under the EWMA actor — all without grad;
+2. the value target (``value_target``: GAE, V-trace or BRACE) → advantages and critic targets;
+   advantages whitened over the batch's actions;
+3. ``ppo_epochs`` passes over ``num_minibatches`` shuffled minibatches; each minibatch is one
+   optimizer step of the critic and (after ``critic_warmup_steps``) of the actor, accumulated over
+   micro-batches. Every token loss is summed and divided by the minibatch's global count of action
+   tokens, so accumulation and data parallelism give the gradient of one big batch;
+4. the new actor weights are published to the data module (a new policy version).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import torch
+from jsonargparse import lazy_instance
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.policy import token_logprobs
+from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
+from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
+from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.targets import BRACE, ValueTarget
+
+MIN_LOG_RATIO = -20.0
+MAX_LOG_RATIO = 20.0
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``mask`` (0 for an empty mask)."""
+    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x − mean) / std`` over the actions of the batch, 0 at non-actions."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), 0.0)
+
+
+def shift_values(values: torch.Tensor) -> torch.Tensor:
+    """Critic outputs ``[B, T]`` (value of the prefix ending at t) → value of the state before the
+    token at t, stored at column t (column 0 gets 0)."""
+    return torch.nn.functional.pad(values[:, :-1], (1, 0))
+
+
+class BraceModule(pl.LightningModule):
+    """Asynchronous PPO for causal LMs with a pluggable critic target and actor objective.
+
+    Args:
+        actor: ``"tiny-char"`` (built-in tiny Qwen2 + character tokenizer), a local model folder or
+            a Hugging Face hub name.
+        value_target: the critic's regression target and the advantage estimator
+            (``brace_lightning.targets.GAE`` / ``VTrace`` / ``BRACE``).
+        actor_objective: the actor loss (``brace_lightning.objectives.PPOClip`` and the stabilizers).
+        critic_loss: the critic loss (clipped value loss, ε_v = 0.5 by default).
+        actor_optimizer: builds the actor's optimizer; default AdamW(lr=1e-6) (paper).
+        critic_optimizer: builds the critic's optimizer; default AdamW(lr=1e-5) (paper).
+        actor_scheduler: optional LR scheduler of the actor's optimizer (stepped every optimizer step).
+        critic_scheduler: optional LR scheduler of the critic's optimizer.
+        critic_from_actor: initialise the critic's backbone from the actor's (else random).
+        ppo_epochs: passes over each rollout batch.
+        num_minibatches: optimizer steps per pass (the batch's rows are split evenly).
+        micro_batch_size: rows per forward/backward inside a minibatch (None = the whole minibatch).
+        critic_warmup_steps: rollout steps during which only the critic is trained.
+        max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
+        whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
+        tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
+        tiny_num_layers: depth of the ``"tiny-char"`` model.
+        seed: seed of the tiny model's initialisation and of the minibatch shuffling.
+    """
+
+    def __init__(
+        self,
+        *,
+        actor: str = TINY,
+        value_target: ValueTarget = lazy_instance(BRACE),
+        actor_objective: ActorObjective = lazy_instance(PPOClip),
+        critic_loss: CriticLoss = lazy_instance(CriticLoss),
+        actor_optimizer: OptimizerCallable | None = None,
+        critic_optimizer: OptimizerCallable | None = None,
+        actor_scheduler: LRSchedulerCallable | None = None,
+        critic_scheduler: LRSchedulerCallable | None = None,
+        critic_from_actor: bool = True,
+        ppo_epochs: int = 1,
+        num_minibatches: int = 1,
+        micro_batch_size: int | None = None,
+        critic_warmup_steps: int = 5,
+        max_grad_norm: float | None = 1.0,
+        whiten_advantages: bool = True,
+        tiny_hidden_size: int = 128,
+        tiny_num_layers: int = 2,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value, low in (
+            ("ppo_epochs", ppo_epochs, 1),
+            ("num_minibatches", num_minibatches, 1),
+            ("critic_warmup_steps", critic_warmup_steps, 0),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+        if micro_batch_size is not None and (
+            not isinstance(micro_batch_size, int) or micro_batch_size < 1
+        ):
+            raise ValueError(
+                f"micro_batch_size must be None or an integer >= 1; got {micro_batch_size!r}."
+            )
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
+        if not isinstance(value_target, ValueTarget):
+            raise ValueError(
+                f"value_target must be a brace_lightning.targets.ValueTarget; got {value_target!r}."
+            )
+        if not isinstance(actor_objective, ActorObjective):
+            raise ValueError(
+                "actor_objective must be a brace_lightning.objectives.ActorObjective; got "
+                f"{actor_objective!r}."
+            )
+        self.save_hyperparameters(
+            ignore=["value_target", "actor_objective", "critic_loss"], logger=False
+        )
+        self.automatic_optimization = False
+        self.value_target = value_target
+        self.actor_objective = actor_objective
+        self.critic_loss = critic_loss
+        self._actor_optimizer = actor_optimizer
+        self._critic_optimizer = critic_optimizer
+        self._actor_scheduler = actor_scheduler
+        self._critic_scheduler = critic_scheduler
+        self.ppo_epochs = ppo_epochs
+        self.num_minibatches = num_minibatches
+        self.micro_batch_size = micro_batch_size
+        self.critic_warmup_steps = critic_warmup_steps
+        self.max_grad_norm = max_grad_norm
+        self.whiten_advantages = whiten_advantages
+
+        self.tokenizer = load_tokenizer(actor)
+        self.actor = load_actor(
+            actor,
+            tokenizer=self.tokenizer,
+            hidden_size=tiny_hidden_size,
+            num_layers=tiny_num_layers,
+            seed=seed,
+        )
+        self.critic = ValueModel.from_actor(
+            self.actor, copy_weights=critic_from_actor, seed=seed + 1
+        )
+        self.ewma_actor: nn.Module | None = None
+        if actor_objective.ewma_decay is not None:
+            # Hilton et al. 2021: π_prox from a bias-corrected EWMA of the actor's weights.
+            self.ewma_actor = copy.deepcopy(self.actor).requires_grad_(False)
+            self.register_buffer("ewma_steps", torch.zeros((), dtype=torch.long))
+            self._ewma_sums = nn.ParameterList(
+                nn.Parameter(torch.zeros_like(p), requires_grad=False)
+                for p in self.actor.parameters()
+            )
+        self.policy_version = 0
+        self.rollout_step = 0
+        self._shuffle = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------ optimizers
+
+    def configure_optimizers(self) -> Any:
+        actor_opt = (self._actor_optimizer or _adamw(1e-6))(self.actor.parameters())
+        critic_opt = (self._critic_optimizer or _adamw(1e-5))(self.critic.parameters())
+        schedulers = []
+        for opt, factory in (
+            (actor_opt, self._actor_scheduler),
+            (critic_opt, self._critic_scheduler),
+        ):
+            if factory is not None:
+                schedulers.append({"scheduler": factory(opt), "interval": "step"})
+        return [actor_opt, critic_opt], schedulers
+
+    # ------------------------------------------------------------------ the step
+
+    def training_step(self, dataloader_iter: Iterator) -> None:
+        batch, _, _ = next(dataloader_iter)
+        batch = batch.to(self.device)
+        if len(batch) == 0 or batch.num_actions == 0:
+            raise RuntimeError(
+                f"rollout step {self.rollout_step}: the rollout batch has no action tokens "
+                f"(counts: {_counts(batch)}); check the task, the reward function and max_staleness."
+            )
+        temperature = float(batch.info.get("temperature", 1.0))
+        with torch.no_grad():
+            proximal_logprobs, _ = token_logprobs(
+                self.actor, batch.input_ids, batch.attention_mask, temperature=temperature
+            )
+            old_values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
+            ewma_logprobs = None
+            if self.ewma_actor is not None:
+                ewma_logprobs, _ = token_logprobs(
+                    self.ewma_actor, batch.input_ids, batch.attention_mask, temperature=temperature
+                )
+            start = time.perf_counter()
+            targets = self.value_target(
+                rewards=batch.rewards,
+                values=old_values,
+                target_logprobs=proximal_logprobs,
+                behavior_logprobs=batch.behavior_logprobs,
+                mask=batch.mask,
+            )
+            target_seconds = time.perf_counter() - start
+            advantages = targets.advantages
+            if self.whiten_advantages:
+                advantages = whiten(advantages, batch.mask)
+
+        train_actor = self.rollout_step >= self.critic_warmup_steps
+        stats: dict[str, list[torch.Tensor]] = {}
+        for _ in range(self.ppo_epochs):
+            order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
+            for rows in order.tensor_split(self.num_minibatches):
+                if len(rows):
+                    self._update(
+                        batch.select(rows),
+                        proximal_logprobs[rows],
+                        old_values[rows],
+                        targets.returns[rows],
+                        advantages[rows],
+                        None if ewma_logprobs is None else ewma_logprobs[rows],
+                        train_actor,
+                        stats,
+                    )
+        self.rollout_step += 1
+        if train_actor:
+            self.policy_version += 1
+            self._publish()
+        self._log_step(batch, proximal_logprobs, old_values, targets.returns, stats, target_seconds)
+
+    def _update(
+        self,
+        mb: RolloutBatch,
+        proximal_logprobs: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        advantages: torch.Tensor,
+        ewma_logprobs: torch.Tensor | None,
+        train_actor: bool,
+        stats: dict[str, list[torch.Tensor]],
+    ) -> None:
+        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches."""
+        actor_opt, critic_opt = self.optimizers()
+        tokens = self._global_count(mb.mask)
+        scale = self.trainer.world_size / tokens  # DDP averages gradients over ranks
+        size = self.micro_batch_size or len(mb)
+        temperature = float(mb.info.get("temperature", 1.0))
+        sums: dict[str, torch.Tensor] = {}
+        for start in range(0, len(mb), size):
+            rows = slice(start, start + size)
+            ids, attn, mask = mb.input_ids[rows], mb.attention_mask[rows], mb.mask[rows]
+            values = shift_values(self.critic(ids, attn))
+            critic_out = self.critic_loss(
+                values=values, old_values=old_values[rows], returns=returns[rows], mask=mask
+            )
+            critic_loss = critic_out.token_loss.sum() * scale
+            self._check_finite("critic loss", critic_loss)
+            self.manual_backward(critic_loss)
+            _add(sums, "critic/loss", critic_loss.detach() / self.trainer.world_size)
+            _add_stats(sums, "critic", critic_out.stats, tokens)
+            if not train_actor:
+                continue
+            logprobs, _ = token_logprobs(self.actor, ids, attn, temperature=temperature)
+            prox = proximal_logprobs[rows] if ewma_logprobs is None else ewma_logprobs[rows]
+            actor_out = self.actor_objective(
+                logprobs=logprobs,
+                proximal_logprobs=prox,
+                behavior_logprobs=mb.behavior_logprobs[rows],
+                advantages=advantages[rows],
+                mask=mask,
+                entropy=None if mb.entropy is None else mb.entropy[rows],
+            )
+            actor_loss = actor_out.token_loss.sum() * scale
+            self._check_finite("actor loss", actor_loss)
+            self.manual_backward(actor_loss)
+            _add(sums, "actor/loss", actor_loss.detach() / self.trainer.world_size)
+            _add_stats(sums, "actor", actor_out.stats, tokens)
+        for name, value in sums.items():
+            stats.setdefault(name, []).append(value)
+
+        critic_norm = self._clip(self.critic)
+        critic_opt.step()
+        critic_opt.zero_grad(set_to_none=True)
+        stats.setdefault("critic/grad_norm", []).append(critic_norm)
+        if train_actor:
+            actor_norm = self._clip(self.actor)
+            actor_opt.step()
+            actor_opt.zero_grad(set_to_none=True)
+            stats.setdefault("actor/grad_norm", []).append(actor_norm)
+            self._update_ewma()
+        for scheduler, trained in zip(self._schedulers(), (train_actor, True), strict=True):
+            if scheduler is not None and trained:
+                scheduler.step()
+
+    # ------------------------------------------------------------------ helpers
+
+    def _schedulers(self) -> tuple[Any, Any]:
+        schedulers = self.lr_schedulers()
+        if schedulers is None:
+            return None, None
+        if not isinstance(schedulers, list):
+            schedulers = [schedulers]
+        by_opt = {id(s.optimizer): s for s in schedulers}
+        actor_opt, critic_opt = self.optimizers()
+        return by_opt.get(id(actor_opt.optimizer)), by_opt.get(id(critic_opt.optimizer))
+
+    def _global_count(self, mask: torch.Tensor) -> torch.Tensor:
+        """Action tokens of this minibatch summed over all data-parallel ranks (at least 1)."""
+        count = mask.sum().to(torch.float32)
+        if self.trainer.world_size > 1:
+            count = self.trainer.strategy.reduce(count, reduce_op="sum")
+        return count.clamp(min=1.0)
+
+    def _clip(self, model: nn.Module) -> torch.Tensor:
+        params = [p for p in model.parameters() if p.grad is not None]
+        if not params:
+            return torch.zeros((), device=self.device)
+        max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
+        return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+
+    def _check_finite(self, what: str, value: torch.Tensor) -> None:
+        if not bool(torch.isfinite(value)):
+            raise FloatingPointError(
+                f"rollout step {self.rollout_step}: the {what} is {float(value)}; expected a finite "
+                "value (check learning rates, log-prob clamping and the rewards)."
+            )
+
+    @torch.no_grad()
+    def _update_ewma(self) -> None:
+        if self.ewma_actor is None:
+            return
+        decay = float(self.actor_objective.ewma_decay)  # type: ignore[arg-type]
+        self.ewma_steps += 1
+        correction = 1.0 - decay ** int(self.ewma_steps)
+        for total, param, ewma in zip(
+            self._ewma_sums, self.actor.parameters(), self.ewma_actor.parameters(), strict=True
+        ):
+            total.mul_(decay).add_(param.detach(), alpha=1.0 - decay)
+            ewma.copy_(total / correction)
+
+    def _publish(self) -> None:
+        datamodule = self.trainer.datamodule if self.trainer is not None else None
+        if datamodule is not None and hasattr(datamodule, "publish"):
+            datamodule.publish(self.actor.state_dict(), self.policy_version)
+
+    def _log_step(
+        self,
+        batch: RolloutBatch,
+        proximal_logprobs: torch.Tensor,
+        old_values: torch.Tensor,
+        returns: torch.Tensor,
+        stats: dict[str, list[torch.Tensor]],
+        target_seconds: float,
+    ) -> None:
+        mask = batch.mask
+        log_w = (proximal_logprobs - batch.behavior_logprobs).clamp(MIN_LOG_RATIO, MAX_LOG_RATIO)
+        w = log_w.exp()
+        residual_var = masked_mean(
+            (returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask
+        )
+        return_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+        metrics: dict[str, float | torch.Tensor] = {
+            "rollout/reward": batch.scores.float().mean(),
+            "rollout/response_length": mask.sum(1).float().mean(),
+            "critic/explained_variance": 1.0 - residual_var / return_var.clamp(min=1e-8),
+            "critic/value_mean": masked_mean(old_values, mask),
+            "critic/target_mean": masked_mean(returns, mask),
+            "weights/log_w_mean": masked_mean(log_w, mask),
+            "weights/w_mean": masked_mean(w, mask),
+            "weights/w_max": torch.where(mask, w, 0.0).max(),
+            "kl/mu_pi_k3": masked_mean(w - 1.0 - log_w, mask),
+            "kl/pi_mu": masked_mean(w * log_w, mask),
+            "mismatch/abs_logprob_diff": masked_mean(log_w.abs(), mask),
+            "time/value_target_ms": target_seconds * 1e3,
+            "policy_version": float(self.policy_version),
+        }
+        if batch.correct is not None:
+            metrics["rollout/accuracy"] = batch.correct.float().mean()
+        for name, values in stats.items():
+            metrics[name] = torch.stack([v.float().reshape(()) for v in values]).mean()
+        for name, value in batch.info.items():
+            if isinstance(value, int | float) and name not in ("temperature",):
+                metrics[f"data/{name}"] = float(value)
+        # x-axis = rollout step (one rollout batch), not Lightning's global_step, which counts
+        # every optimizer step of both optimizers and so moves unevenly across critic warm-up.
+        values = {name: float(value) for name, value in metrics.items()}
+        for logger in self.loggers:
+            logger.log_metrics(values, step=self.rollout_step)
+        self.log(
+            "reward", values["rollout/reward"], prog_bar=True, logger=False, batch_size=len(batch)
+        )
+        if "rollout/accuracy" in values:
+            self.log(
+                "acc",
+                values["rollout/accuracy"],
+                prog_bar=True,
+                logger=False,
+                batch_size=len(batch),
+            )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint["brace"] = {
+            "policy_version": self.policy_version,
+            "rollout_step": self.rollout_step,
+            "shuffle": self._shuffle.get_state(),
+            "torch_rng": torch.get_rng_state(),
+            "python_rng": random.getstate(),
+            # as plain types so the checkpoint loads with torch.load(weights_only=True)
+            "numpy_rng": _numpy_state_to_plain(np.random.get_state()),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        state = checkpoint["brace"]
+        self.policy_version = int(state["policy_version"])
+        self.rollout_step = int(state["rollout_step"])
+        self._shuffle.set_state(state["shuffle"])
+        torch.set_rng_state(state["torch_rng"])
+        random.setstate(state["python_rng"])
+        name, keys, pos, has_gauss, cached = state["numpy_rng"]
+        np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def _numpy_state_to_plain(state: Any) -> tuple[str, list[int], int, int, float]:
+    name, keys, pos, has_gauss, cached = state
+    return str(name), [int(k) for k in keys], int(pos), int(has_gauss), float(cached)
+
+
+def _adamw(lr: float) -> Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]:
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr)
+
+    return build
+
+
+def _add(sums: dict[str, torch.Tensor], name: str, value: torch.Tensor) -> None:
+    sums[name] = sums[name] + value if name in sums else value
+
+
+def _add_stats(
+    sums: dict[str, torch.Tensor], prefix: str, stats: dict[str, torch.Tensor], tokens: torch.Tensor
+) -> None:
+    """Fold an objective's micro-batch stats into per-minibatch values: ``*_count`` → fraction of
+    the minibatch's action tokens, ``*_sum`` → mean per action token, ``*_max`` → maximum."""
+    for name, value in stats.items():
+        value = value.detach().float()
+        if name.endswith("_max"):
+            key = f"{prefix}/{name}"
+            sums[key] = torch.maximum(sums[key], value) if key in sums else value
+        elif name.endswith("_count"):
+            _add(sums, f"{prefix}/{name.removesuffix('_count')}_fraction", value / tokens)
+        elif name.endswith("_sum"):
+            _add(sums, f"{prefix}/{name.removesuffix('_sum')}_mean", value / tokens)
+        else:
+            _add(sums, f"{prefix}/{name}", value)
+
+
+def _counts(batch: RolloutBatch) -> dict[str, float]:
+    return {k: v for k, v in batch.info.items() if k.startswith("count/")}

@@ -1,0 +1,111 @@
+"""End-to-end trainer runs on the tiny model: CLI per value target, accumulation, resume, errors."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from brace_lightning.cli import run
+from brace_lightning.logs import read_scalars
+from brace_lightning.module import BraceModule
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+
+
+def small_run(tmp_path: Path, *extra: str, steps: int = 2) -> list[str]:
+    """CLI args for a few fast rollout steps of the quickstart recipe, without the warm start."""
+    return [
+        "fit",
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        "--trainer.callbacks=[]",
+        f"--trainer.limit_train_batches={steps}",
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--model.tiny_hidden_size=64",
+        "--model.tiny_num_layers=1",
+        "--model.critic_warmup_steps=0",
+        "--data.prompts_per_step=4",
+        "--data.samples_per_prompt=2",
+        "--data.engine.init_args.max_new_tokens=12",
+        *extra,
+    ]
+
+
+def actor_weights(cli) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in cli.model.actor.state_dict().items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["gae", "vtrace", "brace"])
+def test_cli_fit_with_each_value_target_logs_to_tensorboard(tmp_path, target):
+    cli = run(small_run(tmp_path, "--config", str(CONFIGS / "targets" / f"{target}.yaml")))
+    assert type(cli.model.value_target).__name__.lower() == target
+    assert cli.model.rollout_step == 2
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    for name in (
+        "rollout/reward",
+        "critic/loss",
+        "actor/loss",
+        "data/staleness_mean",
+        "time/value_target_ms",
+    ):
+        assert [step for step, _ in scalars[name]] == [1, 2], name
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    whole = run(small_run(tmp_path / "a", "--data.lag=0", steps=1))
+    micro = run(small_run(tmp_path / "b", "--data.lag=0", "--model.micro_batch_size=3", steps=1))
+    a, b = actor_weights(whole), actor_weights(micro)
+    initial = BraceModule(tiny_hidden_size=64, tiny_num_layers=1).actor.state_dict()
+    assert any(not torch.equal(a[name], initial[name]) for name in a), "the step changed nothing"
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)
+    ca, cb = whole.model.critic.state_dict(), micro.model.critic.state_dict()
+    for name in ca:
+        torch.testing.assert_close(ca[name], cb[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lag", [0, 2])
+def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
+    # Two minibatches per rollout step; global_step counts every optimizer step: 2 during the
+    # critic warm-up step, then 4 (actor and critic), so max_steps=10 stops after rollout step 3.
+    common = [
+        "--data.lag",
+        str(lag),
+        "--model.critic_warmup_steps=1",
+        "--trainer.limit_train_batches=4",
+    ]
+    straight = run(small_run(tmp_path / "straight", *common, steps=4))
+    save = [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.every_n_train_steps=10",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.max_steps=10",
+    ]
+    first = run(small_run(tmp_path / "first", *common, *save, steps=4))
+    assert first.model.rollout_step == 3
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
+    resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=4))
+    assert (
+        resumed.model.rollout_step == 4
+        and resumed.model.policy_version == straight.model.policy_version
+    )
+    a, b = actor_weights(straight), actor_weights(resumed)
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
+    dm_a, dm_b = straight.datamodule, resumed.datamodule
+    assert dm_a.counters == dm_b.counters
+    assert (
+        dm_a.counters["generated"]
+        == dm_a.counters["trained"]
+        + dm_a.counters["dropped_stale"]
+        + dm_a.counters["dropped_reward_error"]
+        + dm_a.counters["dropped_empty"]
+    )
