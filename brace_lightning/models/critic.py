@@ -1,0 +1,145 @@
+"""The critic: a causal-LM backbone with a scalar value head, one value per token position.
+
+``values[b, t]`` is the value of the prefix ending at column t, i.e. of the state in which the token
+at column t + 1 is chosen. The module that trains the critic reads V(state before action t) at
+column t − 1 (see ``rollout/types.py``); this class only produces the per-position values.
+
+The critic has its own weights. :meth:`ValueModel.from_actor` starts them as a copy of the actor's
+backbone (the usual PPO-for-LLMs initialisation); :meth:`ValueModel.from_config` starts from random
+weights. The head is a ``Linear(hidden, 1)`` kept in float32 with a small initialisation so that
+initial values are near 0 whatever the backbone's scale.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from transformers import AutoModel, PretrainedConfig, PreTrainedModel
+
+from brace_lightning.models.policy import position_ids_from_attention_mask
+
+
+class ValueModel(nn.Module):
+    """A base-model backbone (``AutoModel``, no LM head) plus ``value_head: Linear(hidden, 1)``.
+
+    Args:
+        backbone: a Hugging Face base model returning ``last_hidden_state`` ``[B, T, H]``.
+        head_init_std: standard deviation of the value head's initial weights (bias starts at 0).
+    """
+
+    def __init__(self, backbone: PreTrainedModel, *, head_init_std: float = 1e-3) -> None:
+        super().__init__()
+        if head_init_std < 0:
+            raise ValueError(
+                f"ValueModel got head_init_std={head_init_std}; expected a value >= 0."
+            )
+        self.backbone = backbone
+        hidden_size = backbone.config.get_text_config().hidden_size
+        self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
+        nn.init.normal_(self.value_head.weight, std=head_init_std)
+        nn.init.zeros_(self.value_head.bias)
+
+    @property
+    def config(self) -> PretrainedConfig:
+        """The backbone's config."""
+        return self.backbone.config
+
+    @classmethod
+    def from_config(
+        cls,
+        config: PretrainedConfig,
+        *,
+        dtype: torch.dtype | None = None,
+        seed: int | None = None,
+        head_init_std: float = 1e-3,
+    ) -> ValueModel:
+        """A randomly initialised critic with the architecture of ``config``.
+
+        Args:
+            config: a causal-LM config (``AutoModel`` picks the matching base model).
+            dtype: backbone dtype; None = library default (float32). The head stays float32.
+            seed: seed of the random initialisation (the global RNG is left untouched).
+            head_init_std: see :class:`ValueModel`.
+        """
+        kwargs = {} if dtype is None else {"dtype": dtype}
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            backbone = AutoModel.from_config(config, **kwargs)
+            return cls(backbone, head_init_std=head_init_std)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str,
+        *,
+        dtype: torch.dtype | str | None = None,
+        revision: str | None = None,
+        trust_remote_code: bool = False,
+        head_init_std: float = 1e-3,
+    ) -> ValueModel:
+        """A critic whose backbone is loaded from a checkpoint (local folder or hub name).
+
+        The LM head of a causal-LM checkpoint is dropped (``AutoModel`` loads the base model); the
+        value head is freshly initialised.
+        """
+        kwargs: dict[str, object] = {"revision": revision, "trust_remote_code": trust_remote_code}
+        if dtype is not None:
+            kwargs["dtype"] = dtype
+        backbone = AutoModel.from_pretrained(source, **kwargs)
+        return cls(backbone, head_init_std=head_init_std)
+
+    @classmethod
+    def from_actor(
+        cls,
+        actor: PreTrainedModel,
+        *,
+        copy_weights: bool = True,
+        seed: int | None = None,
+        head_init_std: float = 1e-3,
+    ) -> ValueModel:
+        """A critic with the actor's architecture.
+
+        Args:
+            actor: a Hugging Face causal LM (``actor.base_model`` is its backbone).
+            copy_weights: True starts the backbone as a deep copy of the actor's (separate storage,
+                same values); False initialises it randomly from ``actor.config``.
+            seed: seed of the random initialisation when ``copy_weights`` is False, and of the head.
+            head_init_std: see :class:`ValueModel`.
+        """
+        if not isinstance(actor, PreTrainedModel):
+            raise ValueError(
+                f"ValueModel.from_actor got actor of type {type(actor).__name__}; expected a "
+                "transformers PreTrainedModel (unwrap FSDP/DDP/compile first)."
+            )
+        if not copy_weights:
+            dtype = next(actor.parameters()).dtype
+            return cls.from_config(
+                actor.config, dtype=dtype, seed=seed, head_init_std=head_init_std
+            )
+        backbone = copy.deepcopy(actor.base_model)
+        with torch.random.fork_rng(devices=[]):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return cls(backbone, head_init_std=head_init_std)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Per-position values.
+
+        Args:
+            input_ids: ``[B, T]`` long, prompts left-padded.
+            attention_mask: ``[B, T]`` bool or integer, True at real tokens.
+
+        Returns:
+            ``[B, T]`` float32; ``values[b, t]`` is V of the prefix ending at column t, 0 at padding.
+        """
+        hidden = self.backbone(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_attention_mask(attention_mask),
+            use_cache=False,
+        ).last_hidden_state  # [B, T, H]
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        return torch.where(attention_mask.bool(), values, torch.zeros_like(values))

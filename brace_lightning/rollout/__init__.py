@@ -1,0 +1,8 @@
+"""Rollout engines, sample/batch types and rollout collection."""
+
+from brace_lightning.rollout.collect import collect_rollouts
+from brace_lightning.rollout.embedded import EmbeddedEngine
+from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
+from brace_lightning.rollout.types import RolloutBatch
+
+__all__ = ["EmbeddedEngine", "GenerationOutput", "RolloutBatch", "RolloutEngine", "collect_rollouts"]

@@ -1,0 +1,165 @@
+"""Turn prompts into a scored, padded :class:`~brace_lightning.rollout.types.RolloutBatch`.
+
+``collect_rollouts`` is the single-turn rollout: tokenize the prompts, sample from an engine, decode,
+score with a :class:`~brace_lightning.tasks.base.RewardFunction`, and pad everything into the batch
+layout of ``rollout/types.py`` (prompts left-padded, responses right-padded and starting at the same
+column, the verifier's reward on the last action token).
+
+A reward function that raises (or returns a non-finite or non-numeric value) does not stop the run
+and its sample is not given a made-up reward: the sample is dropped and counted in
+``batch.info["dropped_reward_error"]`` so that ``generated = kept + dropped`` stays visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
+from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.tasks.base import Prompt, RewardFunction
+
+logger = logging.getLogger(__name__)
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
+) -> list[list[int]]:
+    """Token ids of each prompt's text (the tokenizer's default special tokens, no chat template)."""
+    return [list(tokenizer(p.text)["input_ids"]) for p in prompts]
+
+
+def collect_rollouts(
+    engine: RolloutEngine,
+    prompts: Sequence[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
+    reward_fn: RewardFunction,
+    *,
+    num_samples: int = 1,
+    group_id_offset: int = 0,
+) -> RolloutBatch:
+    """Generate, score and pad ``num_samples`` responses for each prompt.
+
+    Args:
+        engine: the rollout engine (its current weights and version sample every token).
+        prompts: the prompts; their ``text`` is tokenized with ``tokenizer``.
+        tokenizer: decodes completions for the reward function (special tokens skipped) and gives
+            the padding id (``pad_token_id``, else ``eos_token_id``).
+        reward_fn: scores ``(prompt, completion text)``; ``is_correct`` fills ``batch.correct``.
+        num_samples: responses per prompt; they share a group id.
+        group_id_offset: added to the prompt index to form ``group_ids`` (keeps ids unique across
+            batches that are later mixed).
+
+    Returns:
+        A :class:`RolloutBatch` with ``B = kept samples`` rows and ``T = longest prompt + longest
+        response`` columns, prompt-major order; ``info`` holds ``generated``,
+        ``dropped_reward_error``, ``mean_response_length``, ``max_response_length``,
+        ``truncated_fraction``, ``mean_score``, ``accuracy``.
+    """
+    if num_samples < 1:
+        raise ValueError(
+            f"collect_rollouts got num_samples={num_samples}; expected an integer >= 1."
+        )
+    if not prompts:
+        raise ValueError("collect_rollouts got no prompts; expected at least one.")
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise ValueError(
+            "collect_rollouts got a tokenizer with neither pad_token_id nor eos_token_id; expected one "
+            "of them for padding."
+        )
+    out = engine.generate(encode_prompts(tokenizer, prompts), num_samples=num_samples)
+    if len(out) != len(prompts) * num_samples:
+        raise ValueError(
+            f"collect_rollouts got {len(out)} samples from the engine; expected "
+            f"{len(prompts) * num_samples} (prompts x num_samples)."
+        )
+    texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
+    kept, scores, correct = [], [], []
+    dropped = 0
+    for i, (index, text) in enumerate(zip(out.prompt_index, texts, strict=True)):
+        prompt = prompts[index]
+        try:
+            score = reward_fn(prompt, text)
+            if (
+                isinstance(score, bool)
+                or not isinstance(score, int | float)
+                or not math.isfinite(score)
+            ):
+                raise ValueError(f"reward function returned {score!r}; expected a finite float.")
+            is_correct = bool(reward_fn.is_correct(prompt, text))
+        except Exception as error:  # a user's verifier must not kill the run
+            dropped += 1
+            logger.warning("Dropping sample %d (prompt %d): reward error: %r", i, index, error)
+            continue
+        kept.append(i)
+        scores.append(float(score))
+        correct.append(is_correct)
+    batch = _pad(out, kept, scores, correct, pad_id, group_id_offset)
+    lengths = [len(out.response_ids[i]) for i in kept]
+    batch.info.update(
+        generated=float(len(out)),
+        dropped_reward_error=float(dropped),
+        mean_response_length=sum(lengths) / len(lengths) if lengths else 0.0,
+        max_response_length=float(max(lengths, default=0)),
+        truncated_fraction=(
+            sum(out.finish_reason[i] == "length" for i in kept) / len(kept) if kept else 0.0
+        ),
+        mean_score=sum(scores) / len(scores) if scores else 0.0,
+        accuracy=sum(correct) / len(correct) if correct else 0.0,
+    )
+    return batch
+
+
+def _pad(
+    out: GenerationOutput,
+    kept: list[int],
+    scores: list[float],
+    correct: list[bool],
+    pad_id: int,
+    group_id_offset: int,
+) -> RolloutBatch:
+    """Lay the kept samples out as ``[B, T]`` tensors (prompts left-, responses right-padded)."""
+    prompt_width = max((len(out.prompt_ids[i]) for i in kept), default=0)
+    response_width = max((len(out.response_ids[i]) for i in kept), default=0)
+    b, t = len(kept), prompt_width + response_width
+    input_ids = torch.full((b, t), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros(b, t, dtype=torch.bool)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    behavior_logprobs = torch.zeros(b, t, dtype=torch.float32)
+    versions = torch.full((b, t), -1, dtype=torch.long)
+    rewards = torch.zeros(b, t, dtype=torch.float32)
+    entropy = None if out.entropy is None else torch.zeros(b, t, dtype=torch.float32)
+    for row, i in enumerate(kept):
+        prompt, response = out.prompt_ids[i], out.response_ids[i]
+        start, end = prompt_width - len(prompt), prompt_width + len(response)
+        input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
+        input_ids[row, prompt_width:end] = torch.tensor(response, dtype=torch.long)
+        attention_mask[row, start:end] = True
+        mask[row, prompt_width:end] = True
+        behavior_logprobs[row, prompt_width:end] = torch.tensor(out.logprobs[i])
+        versions[row, prompt_width:end] = torch.tensor(out.versions[i], dtype=torch.long)
+        if entropy is not None:
+            entropy[row, prompt_width:end] = torch.tensor(out.entropy[i])
+        if response:
+            rewards[row, end - 1] = scores[row]
+    return RolloutBatch(
+        input_ids=input_ids,
+        attention_mask=attention_mask,
+        mask=mask,
+        behavior_logprobs=behavior_logprobs,
+        versions=versions,
+        rewards=rewards,
+        scores=torch.tensor(scores, dtype=torch.float32),
+        group_ids=torch.tensor(
+            [out.prompt_index[i] + group_id_offset for i in kept], dtype=torch.long
+        ),
+        entropy=entropy,
+        correct=torch.tensor(correct, dtype=torch.bool),
+    )

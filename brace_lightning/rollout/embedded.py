@@ -1,0 +1,268 @@
+"""The embedded engine: batched KV-cache sampling from an in-process copy of the actor.
+
+Simplifications (this is the default engine for tests, tutorials and small runs; vLLM is the
+real-scale engine): a plain Hugging Face forward per decoding step with a ``DynamicCache``, no
+continuous batching, no prefix sharing between the samples of one prompt. A batch decodes until
+every row has hit a stop token or ``max_new_tokens``; finished rows keep being fed a padding token
+whose outputs are discarded.
+
+What is recorded per generated token (DESIGN: "log-softmax of the temperature-scaled logits actually
+sampled from"):
+
+- ``logprobs``: ``log µ(y)`` where µ is the distribution the token was drawn from: softmax of
+  ``logits / temperature``, restricted to the top-p nucleus and renormalised when ``top_p < 1``.
+  With ``top_p = 1`` this equals :func:`~brace_lightning.models.policy.token_logprobs` at the same
+  temperature and weights, up to float error. With ``top_p < 1`` it is the truncated distribution's
+  log-prob (≥ the untruncated one), so π/µ also corrects for the truncation.
+- ``entropy``: the entropy of that same sampling distribution.
+- ``versions``: the engine's policy version (all tokens of one call share it here).
+
+``temperature = 0`` means greedy decoding: the sampling distribution is a point mass, so the recorded
+log-prob and entropy are 0. Use it for evaluation, not for training data.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from brace_lightning.models.policy import position_ids_from_attention_mask
+from brace_lightning.rollout.engine import FinishReason, GenerationOutput, RolloutEngine
+
+
+def _default_stop_ids(model: nn.Module) -> list[int]:
+    """The model's eos id(s) from its generation config or config; [] when it has none."""
+    eos = None
+    for config in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        if eos is not None:
+            break
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+class EmbeddedEngine(RolloutEngine):
+    """Sample from a private, frozen copy of ``model`` with temperature and top-p.
+
+    Args:
+        model: the actor (a Hugging Face causal LM, unwrapped); it is deep-copied, never modified.
+        temperature: softmax temperature; 0 means greedy (recorded log-probs and entropy are 0).
+        top_p: nucleus size in (0, 1]; 1 disables truncation.
+        max_new_tokens: response budget per sample; a row that reaches it ends with ``"length"``.
+        stop_token_ids: ids that end a response (included in it as the last action); None means the
+            model's eos id(s); ``[]`` disables stopping.
+        seed: seed of the engine's ``torch.Generator``; successive calls continue its stream.
+        max_batch_size: decode at most this many samples at once (None = all in one batch).
+        device: where the copy lives; None = the device of ``model``'s parameters.
+        version: policy version of ``model``'s weights (0 = before the first training step).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int = 0,
+        max_batch_size: int | None = None,
+        device: torch.device | str | None = None,
+        version: int = 0,
+    ) -> None:
+        if not temperature >= 0:
+            raise ValueError(
+                f"EmbeddedEngine got temperature={temperature}; expected a value >= 0."
+            )
+        if not 0 < top_p <= 1:
+            raise ValueError(f"EmbeddedEngine got top_p={top_p}; expected a value in (0, 1].")
+        if max_new_tokens < 1:
+            raise ValueError(
+                f"EmbeddedEngine got max_new_tokens={max_new_tokens}; expected an integer >= 1."
+            )
+        if max_batch_size is not None and max_batch_size < 1:
+            raise ValueError(
+                f"EmbeddedEngine got max_batch_size={max_batch_size}; expected None or an integer >= 1."
+            )
+        if version < 0:
+            raise ValueError(f"EmbeddedEngine got version={version}; expected an integer >= 0.")
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.max_new_tokens = int(max_new_tokens)
+        self.max_batch_size = max_batch_size
+        self.stop_token_ids = (
+            _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
+        )
+        self._model = copy.deepcopy(model).eval().requires_grad_(False)
+        if device is not None:
+            self._model.to(device)
+        self.device = next(self._model.parameters()).device
+        self._vocab_size = self._model.get_input_embeddings().num_embeddings
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._version = int(version)
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the engine currently samples with."""
+        return self._version
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampling generator's state (weights are republished by the trainer)."""
+        return {"generator": self._generator.get_state(), "version": self._version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the sampling stream saved by :meth:`state_dict`."""
+        self._generator.set_state(state["generator"])
+
+    @property
+    def model(self) -> nn.Module:
+        """The engine's private copy of the actor (eval mode, no gradients)."""
+        return self._model
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Copy ``weights`` (the actor's full ``state_dict``) into the engine and set ``version``.
+
+        Raises:
+            ValueError: when keys are missing or unexpected, a shape differs, or ``version`` < 0.
+        """
+        if version < 0:
+            raise ValueError(f"update_weights got version={version}; expected an integer >= 0.")
+        expected = self._model.state_dict()
+        missing = sorted(set(expected) - set(weights))
+        unexpected = sorted(set(weights) - set(expected))
+        if missing or unexpected:
+            raise ValueError(
+                f"update_weights got a state dict with missing keys {missing[:8]} and unexpected keys "
+                f"{unexpected[:8]} ({len(missing)} and {len(unexpected)} in all); expected exactly "
+                "the keys of the actor's state_dict()."
+            )
+        for name, tensor in weights.items():
+            if tuple(tensor.shape) != tuple(expected[name].shape):
+                raise ValueError(
+                    f"update_weights got {name} of shape {tuple(tensor.shape)}; expected "
+                    f"{tuple(expected[name].shape)}."
+                )
+        with torch.no_grad():
+            self._model.load_state_dict(weights, strict=True)
+        self._version = int(version)
+
+    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
+        """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`."""
+        if num_samples < 1:
+            raise ValueError(f"generate got num_samples={num_samples}; expected an integer >= 1.")
+        for i, prompt in enumerate(prompts):
+            if len(prompt) == 0:
+                raise ValueError(
+                    f"generate got an empty prompts[{i}]; expected at least one token."
+                )
+            bad = [t for t in prompt if not 0 <= t < self._vocab_size]
+            if bad:
+                raise ValueError(
+                    f"generate got token id {bad[0]} in prompts[{i}]; expected ids in "
+                    f"[0, {self._vocab_size})."
+                )
+        expanded = [list(p) for p in prompts for _ in range(num_samples)]
+        index = [i for i in range(len(prompts)) for _ in range(num_samples)]
+        chunk = self.max_batch_size or max(len(expanded), 1)
+        responses: list[list[int]] = []
+        logprobs: list[list[float]] = []
+        entropy: list[list[float]] = []
+        finish: list[FinishReason] = []
+        for start in range(0, len(expanded), chunk):
+            out = self._generate_batch(expanded[start : start + chunk])
+            for tokens, lps, ents, reason in zip(*out, strict=True):
+                responses.append(tokens)
+                logprobs.append(lps)
+                entropy.append(ents)
+                finish.append(reason)
+        return GenerationOutput(
+            prompt_ids=expanded,
+            response_ids=responses,
+            logprobs=logprobs,
+            versions=[[self._version] * len(r) for r in responses],
+            prompt_index=index,
+            finish_reason=finish,
+            entropy=entropy,
+        )
+
+    @torch.inference_mode()
+    def _generate_batch(
+        self, prompts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[FinishReason]]:
+        """Decode one left-padded batch; returns ragged tokens, log-probs, entropies, reasons."""
+        n, width = len(prompts), max(len(p) for p in prompts)
+        input_ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        attention_mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, width - len(prompt) :] = torch.tensor(prompt, device=self.device)
+            attention_mask[row, width - len(prompt) :] = 1
+        position_ids = position_ids_from_attention_mask(attention_mask)
+        out = self._model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=True,
+        )
+        next_position = position_ids[:, -1:] + 1  # [N, 1]
+        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
+        finished = torch.zeros(n, dtype=torch.bool, device=self.device)
+        lengths = torch.full((n,), self.max_new_tokens, dtype=torch.long, device=self.device)
+        steps_tokens, steps_logprobs, steps_entropy = [], [], []
+        for step in range(self.max_new_tokens):
+            tokens, logp, ent = self._sample(out.logits[:, -1])  # each [N]
+            tokens = torch.where(finished, torch.zeros_like(tokens), tokens)
+            steps_tokens.append(tokens)
+            steps_logprobs.append(logp)
+            steps_entropy.append(ent)
+            stopped = ~finished & torch.isin(tokens, stop_ids)
+            lengths = torch.where(stopped, torch.full_like(lengths, step + 1), lengths)
+            finished |= stopped
+            if bool(finished.all()) or step == self.max_new_tokens - 1:
+                break
+            attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
+            out = self._model(
+                input_ids=tokens[:, None],
+                attention_mask=attention_mask,
+                position_ids=next_position,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+            next_position = next_position + 1
+        token_rows = torch.stack(steps_tokens, dim=1).tolist()  # [N, steps]
+        logprob_rows = torch.stack(steps_logprobs, dim=1).tolist()
+        entropy_rows = torch.stack(steps_entropy, dim=1).tolist()
+        finished_rows = finished.tolist()
+        result_tokens, result_logprobs, result_entropy, reasons = [], [], [], []
+        for row, length in enumerate(lengths.tolist()):
+            result_tokens.append(token_rows[row][:length])
+            result_logprobs.append(logprob_rows[row][:length])
+            result_entropy.append(entropy_rows[row][:length])
+            reasons.append("stop" if finished_rows[row] else "length")
+        return result_tokens, result_logprobs, result_entropy, reasons
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Draw one token per row from ``logits`` ``[N, V]``; returns ``[N]`` tokens, log µ, entropy."""
+        if self.temperature == 0:
+            tokens = logits.argmax(dim=-1)
+            zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
+            return tokens, zeros, zeros
+        scaled = logits.float() / self.temperature
+        if self.top_p < 1:
+            # Keep the smallest prefix of the sorted distribution whose mass reaches top_p (the top
+            # token always stays), then renormalise: that truncated softmax is what is sampled from.
+            sorted_logits, order = scaled.sort(dim=-1, descending=True)
+            sorted_probs = sorted_logits.softmax(dim=-1)
+            drop = (sorted_probs.cumsum(dim=-1) - sorted_probs) >= self.top_p
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            scaled = torch.empty_like(scaled).scatter_(-1, order, sorted_logits)
+        log_probs = scaled.log_softmax(dim=-1)
+        probs = log_probs.exp()
+        tokens = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        logp = log_probs.gather(-1, tokens[:, None]).squeeze(-1)
+        plogp = torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs))
+        return tokens, logp, -plogp.sum(dim=-1)

@@ -1,0 +1,108 @@
+"""The rollout-engine interface: generate tokens with per-token behavior log-probs and versions.
+
+An engine holds a copy of the actor's weights (possibly stale) and samples responses from it. For
+every generated token it records ``log µ(token)`` — the log-prob under the distribution it actually
+sampled from (temperature-scaled, top-p truncated and renormalised) — and the policy version whose
+weights sampled it. ``update_weights`` installs newer actor weights and the version they carry.
+
+Outputs are plain Python lists (ragged, one entry per sample) so that engines backed by other
+processes (vLLM) produce them without a tensor round trip; ``rollout/collect.py`` pads them into a
+:class:`~brace_lightning.rollout.types.RolloutBatch`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass
+class GenerationOutput:
+    """Ragged generation results, one entry per sample, prompt-major order.
+
+    With ``N`` prompts and ``num_samples = S``, sample ``i`` comes from prompt ``i // S``; there are
+    ``N * S`` entries in every list. Per-token lists have the length of that sample's response.
+
+    Args:
+        prompt_ids: the prompt's token ids (unpadded).
+        response_ids: generated token ids; a stop token, when hit, is the last one (it is an action).
+        logprobs: behavior log-prob of each response token under the sampling distribution.
+        versions: policy version that sampled each response token.
+        prompt_index: index of the prompt (in the ``prompts`` argument) the sample answers.
+        finish_reason: ``"stop"`` (a stop token was generated) or ``"length"`` (hit the budget).
+        entropy: entropy of the sampling distribution at each response token, or None.
+    """
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    logprobs: list[list[float]]
+    versions: list[list[int]]
+    prompt_index: list[int]
+    finish_reason: list[FinishReason]
+    entropy: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        n = len(self.response_ids)
+        for name in ("prompt_ids", "logprobs", "versions", "prompt_index", "finish_reason"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"GenerationOutput.{name} has {len(getattr(self, name))} entries; expected {n} "
+                    "like response_ids."
+                )
+        per_token = ["logprobs", "versions"] + ([] if self.entropy is None else ["entropy"])
+        for name in per_token:
+            for i, (values, tokens) in enumerate(
+                zip(getattr(self, name), self.response_ids, strict=True)
+            ):
+                if len(values) != len(tokens):
+                    raise ValueError(
+                        f"GenerationOutput.{name}[{i}] has {len(values)} values; expected "
+                        f"{len(tokens)}, one per response token."
+                    )
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+
+class RolloutEngine(ABC):
+    """Base class of rollout engines (embedded torch engine, vLLM engine)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights the engine currently samples with."""
+
+    @abstractmethod
+    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
+        """Sample ``num_samples`` responses for each prompt.
+
+        Args:
+            prompts: token ids of each prompt (unpadded, non-empty).
+            num_samples: responses per prompt (the group size for group-relative baselines).
+
+        Returns:
+            A :class:`GenerationOutput` with ``len(prompts) * num_samples`` entries, prompt-major.
+        """
+
+    @abstractmethod
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Install the actor's weights (a full state dict) as policy ``version``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process engines
+        """Release resources (processes, servers); the default does nothing."""
+
+    #: Softmax temperature of the sampling distribution; the trainer recomputes log π with it.
+    temperature: float = 1.0
+
+    def state_dict(self) -> dict[str, Any]:
+        """Resumable state (sampling RNG); weights are not included, the trainer republishes them."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless default
+        """Restore what :meth:`state_dict` returned."""

@@ -1,0 +1,172 @@
+"""Procedurally generated integer arithmetic with an exact verifier and a step-by-step answer format.
+
+A prompt is an expression followed by ``=``; the reference solution evaluates it one operation at a
+time, separated by ``;``, then gives the final answer after ``#`` (the model ends it with eos)::
+
+    prompt:    12+7+5=
+    solution:  12+7=19;19+5=24#24
+
+The response length is dialled by the number of operands (one step per operation) and by
+``max_value`` (digits per number). Expressions are evaluated left to right; when ``*`` follows a
+``+``/``-`` the prompt parenthesises the left part (``(2+3)*4=``), so usual precedence gives the same
+value. Operands are drawn uniformly from ``[0, max_value]``; intermediate results may be negative.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
+
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_INTEGER = re.compile(r"-?\d+")
+
+
+def solve(operands: Sequence[int], ops: Sequence[str]) -> tuple[str, str, int]:
+    """Expression, step-by-step solution and value of ``operands[0] ops[0] operands[1] ...``.
+
+    Args:
+        operands: ``k ≥ 2`` non-negative integers.
+        ops: ``k − 1`` operators from ``"+-*"``, applied left to right.
+
+    Returns:
+        ``(expression, solution, value)``, e.g. ``("12+7+5", "12+7=19;19+5=24#24", 24)``.
+    """
+    if len(operands) < 2 or len(ops) != len(operands) - 1:
+        raise ValueError(
+            f"solve got {len(operands)} operands and {len(ops)} operators; expected k >= 2 operands "
+            "and k - 1 operators."
+        )
+    expression, additive_on_top = str(operands[0]), False
+    value, steps = operands[0], []
+    for op, operand in zip(ops, operands[1:], strict=True):
+        if op not in _OPS:
+            raise ValueError(f"solve got operator {op!r}; expected one of '+', '-', '*'.")
+        if op == "*" and additive_on_top:
+            expression, additive_on_top = f"({expression})", False
+        expression += f"{op}{operand}"
+        additive_on_top = additive_on_top or op != "*"
+        result = _OPS[op](value, operand)
+        steps.append(f"{value}{op}{operand}={result}")
+        value = result
+    return expression, ";".join(steps) + f"#{value}", value
+
+
+def parse_final_answer(completion: str) -> int | None:
+    """The integer after the last ``#`` of ``completion``, or None when it is missing or malformed.
+
+    Surrounding whitespace is ignored; anything else after the ``#`` (a second number, trailing
+    text) makes the answer malformed.
+    """
+    if "#" not in completion:
+        return None
+    tail = completion.rsplit("#", 1)[1].strip()
+    return int(tail) if _INTEGER.fullmatch(tail) else None
+
+
+class ArithmeticTask(PromptSource):
+    """Random arithmetic prompts with answers and reference solutions.
+
+    Args:
+        num_operands: operands per expression, an integer or an inclusive range ``(low, high)``;
+            each operand adds one solution step.
+        max_value: operands are drawn uniformly from ``[0, max_value]``.
+        ops: the operators to draw from, a string over ``"+-*"``.
+        seed: seed of the deterministic stream returned by ``iter(task)``.
+    """
+
+    def __init__(
+        self,
+        num_operands: int | tuple[int, int] = (2, 3),
+        max_value: int = 20,
+        ops: str = "+-",
+        seed: int = 0,
+    ) -> None:
+        low, high = (num_operands, num_operands) if isinstance(num_operands, int) else num_operands
+        if not 2 <= low <= high:
+            raise ValueError(
+                f"ArithmeticTask got num_operands={num_operands}; expected an integer >= 2 or a "
+                "range (low, high) with 2 <= low <= high."
+            )
+        if max_value < 1:
+            raise ValueError(f"ArithmeticTask got max_value={max_value}; expected an integer >= 1.")
+        if not ops or any(op not in _OPS for op in ops):
+            raise ValueError(
+                f"ArithmeticTask got ops={ops!r}; expected a non-empty string over '+-*'."
+            )
+        self.num_operands = (int(low), int(high))
+        self.max_value = int(max_value)
+        self.ops = ops
+        self.seed = int(seed)
+
+    def _draw(self, generator: torch.Generator) -> Prompt:
+        low, high = self.num_operands
+        k = int(torch.randint(low, high + 1, (), generator=generator))
+        operands = torch.randint(0, self.max_value + 1, (k,), generator=generator).tolist()
+        op_index = torch.randint(0, len(self.ops), (k - 1,), generator=generator).tolist()
+        ops = [self.ops[i] for i in op_index]
+        expression, solution, value = solve(operands, ops)
+        return Prompt(
+            text=f"{expression}=",
+            answer=str(value),
+            metadata={"operands": operands, "ops": ops, "solution": solution},
+        )
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
+        """``n`` random prompts drawn with ``generator``."""
+        if n < 0:
+            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
+        return [self._draw(generator) for _ in range(n)]
+
+    def __iter__(self) -> Iterator[Prompt]:
+        """An endless stream of prompts, identical on every call (seeded by ``seed``)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield self._draw(generator)
+
+    @staticmethod
+    def solution(prompt: Prompt) -> str:
+        """The reference step-by-step completion of an arithmetic ``prompt`` (without eos)."""
+        return solve(prompt.metadata["operands"], prompt.metadata["ops"])[1]
+
+    def supervised_pairs(self, n: int, *, seed: int | None = None) -> list[tuple[str, str]]:
+        """``n`` ``(prompt text, reference solution)`` pairs for a supervised warm start.
+
+        Args:
+            n: number of pairs.
+            seed: seed of the draw; None uses ``seed + 1`` so the pairs differ from ``iter(task)``.
+        """
+        generator = torch.Generator().manual_seed(self.seed + 1 if seed is None else seed)
+        return [(p.text, self.solution(p)) for p in self.sample(n, generator)]
+
+
+class ArithmeticReward(RewardFunction):
+    """Exact-match reward on the integer after the last ``#``.
+
+    Reward: 1.0 when the final answer equals ``prompt.answer``; ``format_reward`` when it is a
+    well-formed integer but wrong; 0.0 when it is missing or malformed (see
+    :func:`parse_final_answer`). The intermediate steps are not checked.
+
+    Args:
+        format_reward: shaping reward for a well-formed wrong answer, in ``[0, 1)``; 0 disables it.
+    """
+
+    def __init__(self, format_reward: float = 0.0) -> None:
+        if not 0.0 <= format_reward < 1.0:
+            raise ValueError(
+                f"ArithmeticReward got format_reward={format_reward}; expected a value in [0, 1)."
+            )
+        self.format_reward = float(format_reward)
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        answer = parse_final_answer(completion)
+        if answer is None:
+            return 0.0
+        return 1.0 if answer == int(prompt.answer) else self.format_reward
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """Whether the final answer equals ``prompt.answer`` exactly."""
+        return parse_final_answer(completion) == int(prompt.answer)

@@ -1,0 +1,71 @@
+"""Prompts, prompt sources and reward functions: the task interface.
+
+A task is a :class:`PromptSource` (where prompts come from) and a :class:`RewardFunction` (how a
+completion is scored). Both are plain classes with typed ``__init__`` arguments so that a YAML recipe
+can select a user's own subclass with ``class_path``::
+
+    reward_fn:
+      class_path: my_package.rewards.ExactMatch
+      init_args: {case_sensitive: false}
+
+Reward functions see the decoded completion text (special tokens removed) and the :class:`Prompt`
+it answers; they return a float and never see token ids, so the same function serves every engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One task instance.
+
+    Args:
+        text: what the policy is conditioned on (tokenized as is, no chat template).
+        answer: the reference final answer the verifier checks against.
+        metadata: anything else the task wants to keep (operands, the reference solution, ...).
+    """
+
+    text: str
+    answer: str
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+class PromptSource(ABC):
+    """Where prompts come from.
+
+    Subclasses implement :meth:`sample` (random draws, reproducible from the generator) and
+    :meth:`__iter__` (a deterministic order: file order for datasets, a seeded stream for generated
+    tasks).
+    """
+
+    @abstractmethod
+    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
+        """Draw ``n`` prompts using ``generator`` as the only source of randomness."""
+
+    @abstractmethod
+    def __iter__(self) -> Iterator[Prompt]:
+        """Prompts in a deterministic order (the same on every call)."""
+
+
+class RewardFunction(ABC):
+    """Scores a completion; subclass it and point a recipe at it with ``class_path``.
+
+    ``__call__`` returns the scalar reward that is placed on the last action token. ``is_correct``
+    says whether the answer is right (used for accuracy logging); the default treats any positive
+    reward as correct, so override it when shaping gives partial credit.
+    """
+
+    @abstractmethod
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        """Reward of ``completion`` (decoded text, special tokens removed) for ``prompt``."""
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """Whether ``completion`` answers ``prompt`` correctly; default: reward > 0."""
+        return self(prompt, completion) > 0.0
