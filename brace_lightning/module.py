@@ -16,6 +16,7 @@ is prefetched with stale weights) and does, in this order:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
@@ -210,13 +211,14 @@ class BraceModule(pl.LightningModule):
                     self.ewma_actor, batch.input_ids, batch.attention_mask, temperature=temperature
                 )
             start = time.perf_counter()
-            targets = self.value_target(
-                rewards=batch.rewards,
-                values=old_values,
-                target_logprobs=proximal_logprobs,
-                behavior_logprobs=batch.behavior_logprobs,
-                mask=batch.mask,
-            )
+            with self._blame(self.value_target):
+                targets = self.value_target(
+                    rewards=batch.rewards,
+                    values=old_values,
+                    target_logprobs=proximal_logprobs,
+                    behavior_logprobs=batch.behavior_logprobs,
+                    mask=batch.mask,
+                )
             target_seconds = time.perf_counter() - start
             advantages = targets.advantages
             if self.whiten_advantages:
@@ -266,9 +268,10 @@ class BraceModule(pl.LightningModule):
             rows = slice(start, start + size)
             ids, attn, mask = mb.input_ids[rows], mb.attention_mask[rows], mb.mask[rows]
             values = shift_values(self.critic(ids, attn))
-            critic_out = self.critic_loss(
-                values=values, old_values=old_values[rows], returns=returns[rows], mask=mask
-            )
+            with self._blame(self.critic_loss):
+                critic_out = self.critic_loss(
+                    values=values, old_values=old_values[rows], returns=returns[rows], mask=mask
+                )
             critic_loss = critic_out.token_loss.sum() * scale
             self._check_finite("critic loss", critic_loss)
             self.manual_backward(critic_loss)
@@ -278,14 +281,15 @@ class BraceModule(pl.LightningModule):
                 continue
             logprobs, _ = token_logprobs(self.actor, ids, attn, temperature=temperature)
             prox = proximal_logprobs[rows] if ewma_logprobs is None else ewma_logprobs[rows]
-            actor_out = self.actor_objective(
-                logprobs=logprobs,
-                proximal_logprobs=prox,
-                behavior_logprobs=mb.behavior_logprobs[rows],
-                advantages=advantages[rows],
-                mask=mask,
-                entropy=None if mb.entropy is None else mb.entropy[rows],
-            )
+            with self._blame(self.actor_objective):
+                actor_out = self.actor_objective(
+                    logprobs=logprobs,
+                    proximal_logprobs=prox,
+                    behavior_logprobs=mb.behavior_logprobs[rows],
+                    advantages=advantages[rows],
+                    mask=mask,
+                    entropy=None if mb.entropy is None else mb.entropy[rows],
+                )
             actor_loss = actor_out.token_loss.sum() * scale
             self._check_finite("actor loss", actor_loss)
             self.manual_backward(actor_loss)
@@ -333,6 +337,14 @@ class BraceModule(pl.LightningModule):
             return torch.zeros((), device=self.device)
         max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
         return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+
+    @contextlib.contextmanager
+    def _blame(self, component: object) -> Iterator[None]:
+        """Prefix a ValueError raised by ``component`` with the rollout step and the component."""
+        try:
+            yield
+        except ValueError as error:
+            raise ValueError(f"rollout step {self.rollout_step}, {component!r}: {error}") from error
 
     def _check_finite(self, what: str, value: torch.Tensor) -> None:
         if not bool(torch.isfinite(value)):

@@ -1,10 +1,16 @@
-"""Test-suite settings: one torch thread per process.
+"""Test-suite settings: one torch thread per process, no hub access.
 
 The tests run on 2-core machines that are often busy; torch's default of one thread per core then
 slows small ops by orders of magnitude (oversubscription). One thread is also what the benchmark
-tables assume, and it keeps float reductions in the same order on every machine.
+tables assume, and it keeps float reductions in the same order on every machine. Nothing may be
+downloaded at test time, so the Hugging Face hub is switched off (a missing model fails at once).
 """
 
-import torch
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 torch.set_num_threads(1)

@@ -10,6 +10,7 @@ import torch
 from brace_lightning.cli import run
 from brace_lightning.logs import read_scalars
 from brace_lightning.module import BraceModule
+from brace_lightning.tasks import Prompt, RewardFunction
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -109,3 +110,65 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
         + dm_a.counters["dropped_reward_error"]
         + dm_a.counters["dropped_empty"]
     )
+
+
+class FailingReward(RewardFunction):
+    """A verifier that always raises (stands for a broken user reward function)."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        raise RuntimeError("verifier crashed")
+
+
+class HalfFailingReward(RewardFunction):
+    """Raises on completions of odd length, otherwise scores 1 (a verifier with a bug)."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        if len(completion) % 2:
+            raise RuntimeError("verifier crashed")
+        return 1.0
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        return True
+
+
+@pytest.mark.slow
+def test_a_failing_reward_drops_samples_and_counts_them(tmp_path):
+    cli = run(small_run(tmp_path, "--data.reward=tests.test_trainer.HalfFailingReward"))
+    counts = cli.datamodule.counters
+    assert counts["dropped_reward_error"] > 0 and counts["trained"] > 0
+    assert counts["generated"] == counts["trained"] + counts["dropped_reward_error"]
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    assert scalars["data/count/dropped_reward_error"][-1][1] == counts["dropped_reward_error"]
+
+
+@pytest.mark.slow
+def test_an_empty_batch_stops_with_one_sentence_naming_the_step(tmp_path):
+    with pytest.raises(
+        RuntimeError, match=r"^rollout step 0: the rollout batch has no action tokens"
+    ):
+        run(small_run(tmp_path, "--data.reward=tests.test_trainer.FailingReward"))
+
+
+@pytest.mark.slow
+def test_non_finite_values_stop_with_the_step_and_the_component(tmp_path):
+    # A critic learning rate of 1e30 makes the critic's outputs non-finite after one update.
+    with pytest.raises(
+        ValueError, match=r"^rollout step 0, CriticLoss\(.*\): values has non-finite"
+    ):
+        run(small_run(tmp_path, "--model.critic_optimizer.init_args.lr=1e30"))
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("--model.value_target.init_args.k=-1", "k must be an integer >= 0"),
+        ("--model.ppo_epochs=0", "ppo_epochs must be an integer >= 1"),
+        ("--data.lag=3", "max_staleness must be None or an integer >= lag=3"),
+        ("--model.actor=/nonexistent/model", "'/nonexistent/model' is neither 'tiny-char'"),
+    ],
+)
+def test_bad_config_values_fail_with_one_sentence(tmp_path, override, message, capsys):
+    with pytest.raises((ValueError, SystemExit)) as info:
+        run(small_run(tmp_path, override))
+    text = str(info.value) + capsys.readouterr().err
+    assert message in text

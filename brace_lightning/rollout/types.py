@@ -80,6 +80,8 @@ class RolloutBatch:
 
     def min_versions(self) -> torch.Tensor:
         """``[B]`` oldest policy version among each row's actions (-1 for rows with no action)."""
+        if self.versions.shape[1] == 0:
+            return torch.full((len(self),), -1, dtype=torch.long, device=self.versions.device)
         big = torch.iinfo(self.versions.dtype).max
         v = torch.where(self.mask, self.versions, torch.full_like(self.versions, big)).amin(dim=1)
         return torch.where(self.mask.any(dim=1), v, torch.full_like(v, -1))
