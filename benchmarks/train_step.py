@@ -1,0 +1,103 @@
+"""Step time of the quickstart model with each value target, and the value target's share of it.
+
+    python -m benchmarks.train_step [--steps 12] [--repeats 3]
+
+Each run is the quickstart recipe without the warm start (random tiny model, fixed lag 2), timed
+per training step (generation + log-probs + values + value target + PPO update). For every target
+we report the median step time, the median time of the value-target call (logged by the module as
+``time/value_target_ms``) and its share of the step. The overhead of BRACE over GAE is the
+difference of the value-target medians divided by GAE's median step time (paper: +1.5% step time
+for BRACE over uncorrected asynchronous PPO). Runs alternate between targets so that machine load
+affects them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+
+from brace_lightning.cli import run
+from brace_lightning.logs import read_scalars
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+TARGETS = ["gae", "vtrace", "brace"]
+
+
+class StepTimer(pl.Callback):
+    """Wall time of every training step (the rollout batch is generated inside the step)."""
+
+    def __init__(self) -> None:
+        self.seconds: list[float] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:  # noqa: ANN001
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:  # noqa: ANN001
+        self.seconds.append(time.perf_counter() - self._start)
+
+
+def one_run(target: str, steps: int, root: Path) -> tuple[list[float], list[float]]:
+    """(step seconds, value-target ms) of every step after the first of one run."""
+    timer = StepTimer()
+    trainer_args = [
+        "fit",
+        "--config",
+        str(CONFIGS / "quickstart.yaml"),
+        "--config",
+        str(CONFIGS / "targets" / f"{target}.yaml"),
+        "--trainer.callbacks=[]",
+        f"--trainer.limit_train_batches={steps}",
+        f"--trainer.logger.init_args.save_dir={root}",
+        f"--trainer.logger.init_args.name={target}",
+        "--trainer.enable_progress_bar=false",
+        "--model.critic_warmup_steps=0",
+    ]
+    cli = run(trainer_args, trainer_defaults={"callbacks": [timer]})
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    target_ms = [value for _, value in scalars["time/value_target_ms"]]
+    return timer.seconds[1:], target_ms[1:]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    step_s: dict[str, list[float]] = {t: [] for t in TARGETS}
+    target_ms: dict[str, list[float]] = {t: [] for t in TARGETS}
+    with tempfile.TemporaryDirectory() as root:
+        for _ in range(args.repeats):
+            for target in TARGETS:
+                seconds, ms = one_run(target, args.steps, Path(root))
+                step_s[target] += seconds
+                target_ms[target] += ms
+    gae_step = statistics.median(step_s["gae"])
+    gae_target = statistics.median(target_ms["gae"]) / 1e3
+    print(
+        f"quickstart model, {args.repeats} runs × {args.steps - 1} timed steps per target, "
+        f"threads={args.threads}; medians\n"
+    )
+    print("| value target | step s | value target ms | share of step | overhead vs GAE |")
+    print("|---|---|---|---|---|")
+    for target in TARGETS:
+        step = statistics.median(step_s[target])
+        vt = statistics.median(target_ms[target]) / 1e3
+        print(
+            f"| {target} | {step:.3f} | {vt * 1e3:.2f} | {vt / step:.3%} | "
+            f"{(vt - gae_target) / gae_step:+.3%} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
