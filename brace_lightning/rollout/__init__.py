@@ -5,4 +5,10 @@ from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
 
-__all__ = ["EmbeddedEngine", "GenerationOutput", "RolloutBatch", "RolloutEngine", "collect_rollouts"]
+__all__ = [
+    "EmbeddedEngine",
+    "GenerationOutput",
+    "RolloutBatch",
+    "RolloutEngine",
+    "collect_rollouts",
+]
