@@ -162,6 +162,8 @@ class BraceModule(pl.LightningModule):
         self.critic = ValueModel.from_actor(
             self.actor, copy_weights=critic_from_actor, seed=seed + 1
         )
+        self.actor.train()  # loaders return eval mode; Lightning expects training mode at fit start
+        self.critic.train()
         self.ewma_actor: nn.Module | None = None
         if actor_objective.ewma_decay is not None:
             # Hilton et al. 2021: π_prox from a bias-corrected EWMA of the actor's weights.
@@ -206,10 +208,15 @@ class BraceModule(pl.LightningModule):
             )
             old_values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
             ewma_logprobs = None
-            if self.ewma_actor is not None:
+            ewma_seconds = 0.0
+            # Before the first actor step the average holds no weights (its copy still has the
+            # ones from before any warm start), so π_prox is the actor itself until then.
+            if self.ewma_actor is not None and int(self.ewma_steps) > 0:
+                start = time.perf_counter()
                 ewma_logprobs, _ = token_logprobs(
                     self.ewma_actor, batch.input_ids, batch.attention_mask, temperature=temperature
                 )
+                ewma_seconds = time.perf_counter() - start
             start = time.perf_counter()
             with self._blame(self.value_target):
                 targets = self.value_target(
@@ -226,6 +233,8 @@ class BraceModule(pl.LightningModule):
 
         train_actor = self.rollout_step >= self.critic_warmup_steps
         stats: dict[str, list[torch.Tensor]] = {}
+        if self.ewma_actor is not None:
+            stats["time/ewma_forward_ms"] = [torch.tensor(ewma_seconds * 1e3)]
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
             for rows in order.tensor_split(self.num_minibatches):
@@ -405,7 +414,13 @@ class BraceModule(pl.LightningModule):
         if batch.correct is not None:
             metrics["rollout/accuracy"] = batch.correct.float().mean()
         for name, values in stats.items():
-            metrics[name] = torch.stack([v.float().reshape(()) for v in values]).mean()
+            per_update = torch.stack([v.float().reshape(()) for v in values])
+            if name.endswith("_max"):
+                metrics[name] = per_update.max()
+            elif name.endswith("_tokens"):  # tokens per pass over the rollout batch
+                metrics[name] = per_update.sum() / self.ppo_epochs
+            else:
+                metrics[name] = per_update.mean()
         for name, value in batch.info.items():
             if isinstance(value, int | float) and name not in ("temperature",):
                 metrics[f"data/{name}"] = float(value)
@@ -470,14 +485,17 @@ def _add_stats(
     sums: dict[str, torch.Tensor], prefix: str, stats: dict[str, torch.Tensor], tokens: torch.Tensor
 ) -> None:
     """Fold an objective's micro-batch stats into per-minibatch values: ``*_count`` → fraction of
-    the minibatch's action tokens, ``*_sum`` → mean per action token, ``*_max`` → maximum."""
+    the minibatch's action tokens and ``*_tokens`` (the count itself: tokens the rule hit),
+    ``*_sum`` → mean per action token, ``*_max`` → maximum."""
     for name, value in stats.items():
         value = value.detach().float()
         if name.endswith("_max"):
             key = f"{prefix}/{name}"
             sums[key] = torch.maximum(sums[key], value) if key in sums else value
         elif name.endswith("_count"):
-            _add(sums, f"{prefix}/{name.removesuffix('_count')}_fraction", value / tokens)
+            rule = name.removesuffix("_count")
+            _add(sums, f"{prefix}/{rule}_fraction", value / tokens)
+            _add(sums, f"{prefix}/{rule}_tokens", value)
         elif name.endswith("_sum"):
             _add(sums, f"{prefix}/{name.removesuffix('_sum')}_mean", value / tokens)
         else:
