@@ -3,13 +3,20 @@
 brace-lightning fit --config configs/quickstart.yaml
 brace-lightning fit --config configs/quickstart.yaml --config configs/targets/gae.yaml
 brace-lightning fit --config configs/quickstart.yaml --model.value_target.init_args.k 20
+brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
+
+``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe —
+``brace_lightning.data.RolloutDataModule`` or ``AsyncRolloutDataModule`` — and
+``--data.max_staleness 4`` style overrides still work.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
-from brace_lightning.data import RolloutDataModule
 from brace_lightning.module import BraceModule
 
 
@@ -17,16 +24,21 @@ class BraceCLI(LightningCLI):
     """LightningCLI with the tokenizer of the data module linked to the actor of the model."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.link_arguments("model.actor", "data.tokenizer")
+        parser.link_arguments("model.actor", "data.init_args.tokenizer")
 
 
-def run(args: list[str] | None = None) -> BraceCLI:
-    """Run the CLI on ``args`` (default ``sys.argv[1:]``) and return it (its trainer, model, data)."""
+def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
+    """Run the CLI on ``args`` (default ``sys.argv[1:]``) and return it (its trainer, model, data).
+
+    ``cli_kwargs`` go to :class:`LightningCLI` (e.g. ``trainer_defaults={"callbacks": [...]}``).
+    """
     return BraceCLI(
         BraceModule,
-        RolloutDataModule,
+        LightningDataModule,
+        subclass_mode_data=True,
         args=args,
         save_config_kwargs={"overwrite": True},
+        **cli_kwargs,
     )
 
 

@@ -80,6 +80,7 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
         "--data.lag",
         str(lag),
         "--model.critic_warmup_steps=1",
+        "--model.ppo_epochs=1",
         "--trainer.limit_train_batches=4",
     ]
     straight = run(small_run(tmp_path / "straight", *common, steps=4))

@@ -15,7 +15,9 @@ sampled from"):
   temperature and weights, up to float error. With ``top_p < 1`` it is the truncated distribution's
   log-prob (≥ the untruncated one), so π/µ also corrects for the truncation.
 - ``entropy``: the entropy of that same sampling distribution.
-- ``versions``: the engine's policy version (all tokens of one call share it here).
+- ``versions``: the policy version of the weights that sampled each token. All tokens of one call
+  share it unless ``generate``'s ``on_step`` hook installs new weights mid-call (interruptible
+  generation); the key/value cache of the tokens before that point is kept, not recomputed.
 
 ``temperature = 0`` means greedy decoding: the sampling distribution is a point mass, so the recorded
 log-prob and entropy are 0. Use it for evaluation, not for training data.
@@ -24,7 +26,7 @@ log-prob and entropy are 0. Use it for evaluation, not for training data.
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -151,8 +153,19 @@ class EmbeddedEngine(RolloutEngine):
             self._model.load_state_dict(weights, strict=True)
         self._version = int(version)
 
-    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
-        """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`."""
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        num_samples: int = 1,
+        on_step: Callable[[], None] | None = None,
+    ) -> GenerationOutput:
+        """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`.
+
+        ``on_step`` (optional) is called between decoding steps, after a token was sampled for every
+        row and before the next forward. It may call :meth:`update_weights`: the tokens sampled
+        afterwards record the new version (interruptible generation), and it may raise to abort.
+        """
         if num_samples < 1:
             raise ValueError(f"generate got num_samples={num_samples}; expected an integer >= 1.")
         for i, prompt in enumerate(prompts):
@@ -172,19 +185,21 @@ class EmbeddedEngine(RolloutEngine):
         responses: list[list[int]] = []
         logprobs: list[list[float]] = []
         entropy: list[list[float]] = []
+        versions: list[list[int]] = []
         finish: list[FinishReason] = []
         for start in range(0, len(expanded), chunk):
-            out = self._generate_batch(expanded[start : start + chunk])
-            for tokens, lps, ents, reason in zip(*out, strict=True):
+            out = self._generate_batch(expanded[start : start + chunk], on_step)
+            for tokens, lps, ents, vers, reason in zip(*out, strict=True):
                 responses.append(tokens)
                 logprobs.append(lps)
                 entropy.append(ents)
+                versions.append(vers)
                 finish.append(reason)
         return GenerationOutput(
             prompt_ids=expanded,
             response_ids=responses,
             logprobs=logprobs,
-            versions=[[self._version] * len(r) for r in responses],
+            versions=versions,
             prompt_index=index,
             finish_reason=finish,
             entropy=entropy,
@@ -192,9 +207,11 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompts: list[list[int]]
-    ) -> tuple[list[list[int]], list[list[float]], list[list[float]], list[FinishReason]]:
-        """Decode one left-padded batch; returns ragged tokens, log-probs, entropies, reasons."""
+        self, prompts: list[list[int]], on_step: Callable[[], None] | None = None
+    ) -> tuple[
+        list[list[int]], list[list[float]], list[list[float]], list[list[int]], list[FinishReason]
+    ]:
+        """Decode one left-padded batch; ragged tokens, log-probs, entropies, versions, reasons."""
         n, width = len(prompts), max(len(p) for p in prompts)
         input_ids = torch.zeros(n, width, dtype=torch.long, device=self.device)
         attention_mask = torch.zeros(n, width, dtype=torch.long, device=self.device)
@@ -212,9 +229,10 @@ class EmbeddedEngine(RolloutEngine):
         stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
         lengths = torch.full((n,), self.max_new_tokens, dtype=torch.long, device=self.device)
-        steps_tokens, steps_logprobs, steps_entropy = [], [], []
+        steps_tokens, steps_logprobs, steps_entropy, steps_version = [], [], [], []
         for step in range(self.max_new_tokens):
             tokens, logp, ent = self._sample(out.logits[:, -1])  # each [N]
+            steps_version.append(self._version)
             tokens = torch.where(finished, torch.zeros_like(tokens), tokens)
             steps_tokens.append(tokens)
             steps_logprobs.append(logp)
@@ -224,6 +242,8 @@ class EmbeddedEngine(RolloutEngine):
             finished |= stopped
             if bool(finished.all()) or step == self.max_new_tokens - 1:
                 break
+            if on_step is not None:
+                on_step()
             attention_mask = torch.cat([attention_mask, attention_mask.new_ones(n, 1)], dim=1)
             out = self._model(
                 input_ids=tokens[:, None],
@@ -238,12 +258,14 @@ class EmbeddedEngine(RolloutEngine):
         entropy_rows = torch.stack(steps_entropy, dim=1).tolist()
         finished_rows = finished.tolist()
         result_tokens, result_logprobs, result_entropy, reasons = [], [], [], []
+        result_versions: list[list[int]] = []
         for row, length in enumerate(lengths.tolist()):
             result_tokens.append(token_rows[row][:length])
             result_logprobs.append(logprob_rows[row][:length])
             result_entropy.append(entropy_rows[row][:length])
+            result_versions.append(steps_version[:length])
             reasons.append("stop" if finished_rows[row] else "length")
-        return result_tokens, result_logprobs, result_entropy, reasons
+        return result_tokens, result_logprobs, result_entropy, result_versions, reasons
 
     def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Draw one token per row from ``logits`` ``[N, V]``; returns ``[N]`` tokens, log µ, entropy."""

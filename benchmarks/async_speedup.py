@@ -1,0 +1,209 @@
+"""Wall time of one training run with synchronous versus asynchronous rollouts (and BRACE vs GAE).
+
+    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--tokens 100] [--hidden 64]
+
+Every row trains the same workload: ``--steps`` rollout steps of 16 prompts x 4 samples, responses of
+exactly ``--tokens`` tokens (no stop token, so generation cost does not drift as the policy learns),
+one PPO epoch in two minibatches, the tiny Qwen2 (``--hidden``, ``--layers``), no warm start. The
+defaults make generation and training of a step take comparable time on one core each.
+
+- ``sync``: :class:`RolloutDataModule` (lag 0), generation and training one after the other in the
+  training process, with 1 and with 2 torch threads (two threads give both phases both cores).
+- ``async S``: :class:`AsyncRolloutDataModule` with a producer process (1 torch thread) next to a
+  trainer with 1 thread. S = 0 cannot overlap (the producer waits for each step's weights); S >= 1
+  generates the next batch while the trainer trains.
+
+Timing: *steady* = wall time from the end of rollout step 1 to the end of the last step, divided by
+``steps - 1`` (step 1 holds the producer's start-up and the first generation, which no overlap can
+hide); *fit* = the whole ``Trainer.fit``. Medians over ``--repeats`` runs, the configurations
+interleaved so that background load hits them alike. Speed-up = sync (1 thread) steady time / row's
+steady time. The second table compares the BRACE and GAE value targets under ``async S = 2``: the
+step time and the value-target kernel time (``time/value_target_ms``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import statistics
+import time
+import warnings
+from functools import partial
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities import rank_zero_only
+
+from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
+from brace_lightning.module import BraceModule
+from brace_lightning.rollout import EmbeddedEngine
+from brace_lightning.targets import BRACE, GAE
+from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
+
+
+class MemoryLogger(Logger):
+    """Keeps every ``log_metrics`` call (the module logs its scalars through loggers directly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[dict[str, float]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append(dict(metrics))
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class StepClock(pl.Callback):
+    """Wall clock at the end of every rollout step."""
+
+    def __init__(self) -> None:
+        self.ends: list[float] = []
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.ends.append(time.perf_counter())
+
+
+def run_once(config: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
+    """Train one configuration; steady step time, fit time and a few logged means."""
+    torch.set_num_threads(config.get("threads", 1))
+    engine = partial(EmbeddedEngine, max_new_tokens=args.tokens, stop_token_ids=[])
+    common = dict(
+        task=ArithmeticTask(),
+        reward=ArithmeticReward(),
+        engine=engine,
+        prompts_per_step=16,
+        samples_per_prompt=4,
+    )
+    if config["kind"] == "sync":
+        datamodule = RolloutDataModule(**common, lag=0)
+    else:
+        datamodule = AsyncRolloutDataModule(
+            **common, max_staleness=config["S"], lag_mode=config.get("lag_mode", "async")
+        )
+    module = BraceModule(
+        tiny_hidden_size=args.hidden,
+        tiny_num_layers=args.layers,
+        value_target=config.get("target", BRACE)(),
+        ppo_epochs=1,
+        num_minibatches=2,
+        critic_warmup_steps=0,
+    )
+    clock, logger = StepClock(), MemoryLogger()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=1,
+        limit_train_batches=args.steps,
+        logger=logger,
+        callbacks=[clock],
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, datamodule)
+    fit = time.perf_counter() - start
+    torch.set_num_threads(1)
+    rows = logger.rows[1:]  # after step 1, like the steady time
+
+    def mean(name: str) -> float:
+        values = [row[name] for row in rows if name in row]
+        return statistics.fmean(values) if values else float("nan")
+
+    return {
+        "steady": (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1),
+        "fit": fit,
+        "staleness": mean("data/staleness_mean"),
+        "trainer_idle": mean("data/trainer_idle_fraction"),
+        "producer_idle": mean("data/producer_idle_fraction"),
+        "value_target_ms": statistics.median(
+            row["time/value_target_ms"] for row in rows if "time/value_target_ms" in row
+        ),
+    }
+
+
+CONFIGS: dict[str, dict[str, Any]] = {
+    "sync, 1 thread": {"kind": "sync", "threads": 1},
+    "sync, 2 threads": {"kind": "sync", "threads": 2},
+    "async S=0": {"kind": "async", "S": 0},
+    "async S=1": {"kind": "async", "S": 1},
+    "async S=2": {"kind": "async", "S": 2},
+    "async S=4": {"kind": "async", "S": 4},
+    "fixed lag S=2": {"kind": "async", "S": 2, "lag_mode": "fixed"},
+    "async S=2, GAE": {"kind": "async", "S": 2, "target": GAE},
+    "sync, 1 thread, GAE": {"kind": "sync", "threads": 1, "target": GAE},
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--only", nargs="*", default=None, help="run only these rows")
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning").setLevel(logging.ERROR)
+    names = [n for n in CONFIGS if args.only is None or n in args.only]
+    results: dict[str, list[dict[str, float]]] = {name: [] for name in names}
+    for _ in range(args.repeats):
+        for name in names:
+            results[name].append(run_once(CONFIGS[name], args))
+
+    def median(name: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[name])
+
+    samples = 16 * 4
+    base = median(names[0], "steady") if names[0] == "sync, 1 thread" else float("nan")
+    print(
+        f"\n{args.steps} rollout steps x {samples} samples x {args.tokens} tokens, tiny Qwen2 "
+        f"(hidden {args.hidden}, {args.layers} layer(s)), medians of {args.repeats} runs\n"
+    )
+    print(
+        "| configuration | steady s/step | samples/s | speed-up vs sync | fit s | staleness "
+        "| trainer idle | producer idle |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name in names:
+        if "GAE" in name:
+            continue
+        steady = median(name, "steady")
+        print(
+            f"| {name} | {steady:.3f} | {samples / steady:.0f} | {base / steady:.2f}x | "
+            f"{median(name, 'fit'):.1f} | {median(name, 'staleness'):.2f} | "
+            f"{median(name, 'trainer_idle'):.2f} | {median(name, 'producer_idle'):.2f} |"
+        )
+    pairs = [("async S=2", "async S=2, GAE"), ("sync, 1 thread", "sync, 1 thread, GAE")]
+    pairs = [(b, g) for b, g in pairs if b in results and g in results]
+    if pairs:
+        print(
+            "\n| rollouts | BRACE s/step | GAE s/step | step overhead | BRACE target ms | GAE target ms |"
+        )
+        print("|---|---|---|---|---|---|")
+        for brace_name, gae_name in pairs:
+            b, g = median(brace_name, "steady"), median(gae_name, "steady")
+            print(
+                f"| {brace_name} | {b:.3f} | {g:.3f} | {100 * (b / g - 1):+.1f}% | "
+                f"{median(brace_name, 'value_target_ms'):.2f} | "
+                f"{median(gae_name, 'value_target_ms'):.2f} |"
+            )
+
+
+if __name__ == "__main__":
+    main()

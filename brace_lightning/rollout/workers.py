@@ -1,0 +1,496 @@
+"""Rollout producers: an engine that generates next to the trainer, in a spawned process or a thread.
+
+A producer owns one engine and serves *requests* (prompts of one rollout batch) with whatever weights
+the trainer has sent it, scoring completions with the reward function and padding them
+(:func:`~brace_lightning.rollout.collect.collect_rollouts`). The trainer's side is a
+:class:`ProducerHandle`; the admission rule that bounds staleness lives with the trainer (see
+``rollout/buffer.py``): a producer never decides what to generate.
+
+Protocol (two FIFO queues; tuples tagged by their first item)::
+
+    trainer → producer   ("init", version, weights, engine_state)  first: weights and RNG state
+                         ("weights", version, weights)              a new policy version
+                         ("request", RolloutRequest)                generate one rollout batch
+                         ("stop",)                                  exit now, drop in-flight work
+    producer → trainer   ("ready", pid, torch_threads)
+                         ("batch", index, payload)    payload: torch.save bytes of
+                                                      (batch_state, engine_state), see decode_batch
+                         ("error", what it was doing, traceback)
+
+Weights travel as shared-memory tensors (no copy through the pipe). Batches travel as bytes: a
+tensor shared by file descriptor can only be received while its sender is alive, and a batch must
+stay readable after its producer died.
+
+Which weights serve a request:
+
+- ``exact_versions=True`` (``lag_mode: fixed``): commands are handled strictly in order, so a request
+  is served with exactly the weights sent before it — the trainer's version when it was granted —
+  and the samples do not depend on timing;
+- otherwise (``lag_mode: async``): the newest weights received are installed before each request and,
+  with ``interruptible=True``, between decoding steps (engines whose ``generate`` takes an ``on_step``
+  hook), so one response may carry several versions, recorded per token.
+
+A spawned producer builds its engine from the actor's Hugging Face config and receives the weights
+as a CPU state dict (the LightningModule is never pickled). It uses ``torch_threads`` threads,
+ignores SIGINT (the trainer stops it: Ctrl-C reaches the whole process group), and exits on its own
+when the training process disappears. It beats a heartbeat at every decoding step and while idle, so
+the trainer tells a hung producer from a slow one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import io
+import os
+import pickle
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+from typing import Any, Protocol
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from transformers import PretrainedConfig
+
+from brace_lightning.models.policy import load_causal_lm
+from brace_lightning.models.sources import load_tokenizer
+from brace_lightning.rollout.buffer import batch_to_state
+from brace_lightning.rollout.collect import collect_rollouts
+from brace_lightning.rollout.embedded import EmbeddedEngine
+from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
+from brace_lightning.tasks.base import Prompt, RewardFunction
+
+EngineFactory = Callable[[nn.Module], RolloutEngine]
+
+#: Seconds between two looks at the command queue while idle (also the heartbeat period then).
+POLL_SECONDS = 0.2
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """Generate rollout batch ``index`` (the one the trainer consumes at rollout step ``index``).
+
+    Args:
+        index: position of the batch in the trainer's consumption order.
+        prompts: the prompts (drawn by the trainer, so a resumed run draws the same ones).
+        group_id_offset: added to the prompt index to form the batch's ``group_ids``.
+        version: the trainer's policy version when the request was granted; its weights were sent
+            before the request, so the producer holds at least this version when it starts.
+    """
+
+    index: int
+    prompts: list[Prompt]
+    group_id_offset: int
+    version: int
+
+
+@dataclass(frozen=True)
+class ProducerSpec:
+    """What a producer needs besides the weights (picklable: it is sent to a spawned process).
+
+    Args:
+        engine_factory: builds the engine from an actor-shaped model (None = ``EmbeddedEngine``).
+        tokenizer: tokenizer source (``load_tokenizer``), used to encode prompts and decode answers.
+        reward: the verifier.
+        samples_per_prompt: responses per prompt.
+        exact_versions: serve each request with exactly the weights sent before it (fixed lag).
+        interruptible: install newer weights between decoding steps (async only).
+        torch_threads: ``torch.set_num_threads`` of a spawned producer.
+    """
+
+    engine_factory: EngineFactory | None
+    tokenizer: str
+    reward: RewardFunction
+    samples_per_prompt: int
+    exact_versions: bool
+    interruptible: bool
+    torch_threads: int = 1
+
+
+def portable_factory(factory: EngineFactory | None) -> EngineFactory | None:
+    """``factory`` without what a spawned process must not receive.
+
+    LightningCLI's engine factories are jsonargparse partials that also carry the CLI's class
+    instantiators, which hold the CLI and with it the LightningModule; an engine class needs none of
+    them, so such a partial becomes ``functools.partial(EngineClass, *args, **init_args)``. Any other
+    factory is returned as is.
+    """
+    if (
+        isinstance(factory, functools.partial)
+        and getattr(factory.func, "__name__", "") == "call_without_instantiate_context"
+        and len(factory.args) >= 2
+        and isinstance(factory.args[1], type)
+    ):
+        return functools.partial(factory.args[1], *factory.args[2:], **factory.keywords)
+    return factory
+
+
+class _NoModulePickler(pickle.Pickler):
+    """Refuses ``nn.Module`` objects: the producer rebuilds the actor from its config."""
+
+    def persistent_id(self, obj: Any) -> None:
+        if isinstance(obj, nn.Module):
+            raise pickle.PicklingError(f"it holds a torch module ({type(obj).__name__})")
+        return None
+
+
+def build_engine(spec: ProducerSpec, model: nn.Module) -> RolloutEngine:
+    """The engine of ``spec`` built around ``model`` (which the embedded engine deep-copies)."""
+    return (spec.engine_factory or EmbeddedEngine)(model)
+
+
+def accepts_step_hook(engine: RolloutEngine) -> bool:
+    """Whether ``engine.generate`` takes the ``on_step`` hook (needed by interruptible generation)."""
+    return "on_step" in inspect.signature(engine.generate).parameters
+
+
+class _Queue(Protocol):
+    def put(self, item: Any) -> None: ...
+
+    def get(self, block: bool = True, timeout: float | None = None) -> Any: ...
+
+    def get_nowait(self) -> Any: ...
+
+
+class _Beat:
+    """A heartbeat cell for thread producers (``mp.Value("d")`` plays this role across processes)."""
+
+    def __init__(self) -> None:
+        self.value = time.monotonic()
+
+
+class _Stop(Exception):
+    """The trainer asked the producer to stop, or the training process is gone."""
+
+
+class _HookedEngine(RolloutEngine):
+    """Passes ``on_step`` to an engine that accepts it, so ``collect_rollouts`` needs no hook."""
+
+    def __init__(self, engine: RolloutEngine, on_step: Callable[[], None]) -> None:
+        self.engine = engine
+        self.on_step = on_step if accepts_step_hook(engine) else None
+        self.temperature = engine.temperature
+
+    @property
+    def version(self) -> int:
+        return self.engine.version
+
+    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
+        if self.on_step is None:
+            return self.engine.generate(prompts, num_samples=num_samples)
+        return self.engine.generate(prompts, num_samples=num_samples, on_step=self.on_step)  # type: ignore[call-arg]
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        self.engine.update_weights(weights, version)
+
+
+class Producer:
+    """The producer's loop (runs in a spawned process or a thread); see the module docstring.
+
+    Args:
+        spec: engine, verifier and version rules.
+        engine: the engine to sample with.
+        commands: the trainer → producer queue.
+        results: the producer → trainer queue.
+        heartbeat: a cell whose ``value`` the producer sets to ``time.monotonic()`` while alive.
+        parent_pid: pid of the training process (a spawned producer exits when it changes); None
+            for a thread.
+    """
+
+    def __init__(
+        self,
+        spec: ProducerSpec,
+        engine: RolloutEngine,
+        *,
+        commands: _Queue,
+        results: _Queue,
+        heartbeat: Any,
+        parent_pid: int | None,
+    ) -> None:
+        self.spec = spec
+        self.engine = engine
+        self.tokenizer = load_tokenizer(spec.tokenizer)
+        self.commands = commands
+        self.results = results
+        self.heartbeat = heartbeat
+        self.parent_pid = parent_pid
+        self._inbox: deque[tuple] = deque()  # requests (and, with exact versions, weights) in order
+        self._staged: tuple[int, Mapping[str, torch.Tensor]] | None = None  # newest weights (async)
+        self._idle_since = time.monotonic()
+        self._doing = "waiting for the first command"
+
+    def run(self) -> None:
+        """Serve commands until ``("stop",)``; report an exception as an ``"error"`` message."""
+        try:
+            self.results.put(("ready", os.getpid(), torch.get_num_threads()))
+            while True:
+                self._serve_one()
+        except _Stop:
+            return
+        except BaseException:  # every failure must reach the trainer
+            self.results.put(("error", self._doing, traceback.format_exc()))
+
+    # ------------------------------------------------------------------ commands
+
+    def _serve_one(self) -> None:
+        if not self._inbox and self._staged is None:
+            self._receive(block=True)
+        self._receive(block=False)
+        if self._staged is not None:
+            self._install(*self._staged)
+            self._staged = None
+        if not self._inbox:
+            return
+        command = self._inbox.popleft()
+        if command[0] == "weights":
+            self._install(command[1], command[2])
+        else:
+            self._generate(command[1])
+
+    def _receive(self, *, block: bool) -> None:
+        """Move available commands into the inbox (blocking until one arrives when ``block``)."""
+        while True:
+            self._beat()
+            try:
+                command = (
+                    self.commands.get(timeout=POLL_SECONDS) if block else self.commands.get_nowait()
+                )
+            except queue.Empty:
+                if block:
+                    continue
+                return
+            block = False
+            tag = command[0]
+            if tag == "stop":
+                raise _Stop
+            if tag == "init":
+                _, version, weights, engine_state = command
+                if engine_state is not None:
+                    self._doing = "restoring the engine state"
+                    self.engine.load_state_dict(engine_state)
+                command = ("weights", version, weights)
+                tag = "weights"
+            if tag == "weights" and not self.spec.exact_versions:
+                self._staged = (command[1], command[2])  # only the newest weights matter
+            else:
+                self._inbox.append(command)
+
+    def _install(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+        self._doing = f"installing the weights of version {version}"
+        self.engine.update_weights(weights, version)
+        self._doing = f"idle with the weights of version {version}"
+
+    def _beat(self) -> None:
+        self.heartbeat.value = time.monotonic()
+        if self.parent_pid is not None and os.getppid() != self.parent_pid:
+            raise _Stop
+
+    def _on_step(self) -> None:
+        """Between decoding steps: heartbeat, stop requests and (interruptible) newer weights."""
+        self._receive(block=False)
+        if self.spec.interruptible and self._staged is not None:
+            version, weights = self._staged
+            self._staged = None
+            doing = self._doing
+            self._install(version, weights)
+            self._doing = doing
+
+    # ------------------------------------------------------------------ generation
+
+    def _generate(self, request: RolloutRequest) -> None:
+        version = self.engine.version
+        if version < request.version or (self.spec.exact_versions and version != request.version):
+            raise RuntimeError(
+                f"rollout batch {request.index} was granted at version {request.version} but the "
+                f"engine holds version {version} (a bug in the producer's command order)."
+            )
+        self._doing = f"generating rollout batch {request.index} with version {version}"
+        start = time.monotonic()
+        idle = start - self._idle_since
+        batch = collect_rollouts(
+            _HookedEngine(self.engine, self._on_step),
+            request.prompts,
+            self.tokenizer,
+            self.spec.reward,
+            num_samples=self.spec.samples_per_prompt,
+            group_id_offset=request.group_id_offset,
+        )
+        seconds = time.monotonic() - start
+        batch.info.update(
+            temperature=float(self.engine.temperature),
+            engine_version=float(self.engine.version),
+            producer_idle_s=idle,
+            generate_s=seconds,
+            gen_tokens_per_s=batch.num_actions / max(seconds, 1e-9),
+        )
+        payload = io.BytesIO()
+        torch.save((batch_to_state(batch), self.engine.state_dict()), payload)
+        self.results.put(("batch", request.index, payload.getvalue()))
+        self._idle_since = time.monotonic()
+        self._doing = f"idle after rollout batch {request.index}"
+
+
+def decode_batch(payload: bytes) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(batch_state, engine_state)`` of a ``("batch", index, payload)`` message."""
+    return torch.load(io.BytesIO(payload), weights_only=False)  # written by our own producer
+
+
+def _process_main(
+    spec: ProducerSpec,
+    model_config: PretrainedConfig,
+    commands: _Queue,
+    results: _Queue,
+    heartbeat: Any,
+    parent_pid: int,
+) -> None:
+    """Entry point of a spawned producer: build the engine from the config, then serve."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(spec.torch_threads)
+    try:
+        model = load_causal_lm(model_config)
+        engine = build_engine(spec, model)
+        del model
+        producer = Producer(
+            spec,
+            engine,
+            commands=commands,
+            results=results,
+            heartbeat=heartbeat,
+            parent_pid=parent_pid,
+        )
+    except BaseException:  # reported to the trainer
+        results.put(("error", "building the engine", traceback.format_exc()))
+        return
+    producer.run()
+
+
+class ProducerHandle:
+    """The trainer's end of one producer: its queues, heartbeat and liveness.
+
+    Build it with :meth:`spawn` (a process) or :meth:`thread` (a thread in the training process).
+    """
+
+    def __init__(
+        self,
+        *,
+        commands: Any,
+        results: Any,
+        heartbeat: Any,
+        worker: BaseProcess | threading.Thread,
+    ) -> None:
+        self.commands = commands
+        self.results = results
+        self.heartbeat = heartbeat
+        self.worker = worker
+        self.ready = False
+        self.started_at = time.monotonic()
+
+    @classmethod
+    def spawn(cls, spec: ProducerSpec, model_config: PretrainedConfig) -> ProducerHandle:
+        """Start a producer process (spawn context) that builds its engine from ``model_config``.
+
+        Raises:
+            ValueError: when ``spec`` (engine factory, reward) cannot be pickled.
+        """
+        try:
+            _NoModulePickler(io.BytesIO()).dump((spec, model_config))
+        except Exception as error:
+            raise ValueError(
+                f"producer='process' sends the engine factory and the reward to a new process, but "
+                f"they cannot be pickled without the model ({error}); expected picklable objects "
+                "that hold no torch module, or use producer='thread'."
+            ) from error
+        context = mp.get_context("spawn")
+        commands, results = context.Queue(), context.Queue()
+        heartbeat = context.Value("d", time.monotonic(), lock=False)
+        process = context.Process(
+            target=_process_main,
+            args=(spec, model_config, commands, results, heartbeat, os.getpid()),
+            name="rollout-producer",
+            daemon=True,
+        )
+        # The child inherits SIGINT ignored from birth: Ctrl-C goes to the whole process group and
+        # the trainer, not the producer, decides when the producer stops.
+        previous = None
+        with contextlib.suppress(ValueError):  # not the main thread: keep the handler
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            process.start()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        return cls(commands=commands, results=results, heartbeat=heartbeat, worker=process)
+
+    @classmethod
+    def thread(cls, spec: ProducerSpec, engine: RolloutEngine) -> ProducerHandle:
+        """Start a producer thread serving ``engine`` (for engines that run elsewhere, and tests)."""
+        commands: queue.Queue = queue.Queue()
+        results: queue.Queue = queue.Queue()
+        heartbeat = _Beat()
+        producer = Producer(
+            spec, engine, commands=commands, results=results, heartbeat=heartbeat, parent_pid=None
+        )
+        worker = threading.Thread(target=producer.run, name="rollout-producer", daemon=True)
+        worker.start()
+        return cls(commands=commands, results=results, heartbeat=heartbeat, worker=worker)
+
+    @property
+    def pid(self) -> int | None:
+        """The producer process's pid (None for a thread)."""
+        return self.worker.pid if isinstance(self.worker, BaseProcess) else None
+
+    @property
+    def exitcode(self) -> int | None:
+        """The process's exit code (None while alive, and for threads)."""
+        return self.worker.exitcode if isinstance(self.worker, BaseProcess) else None
+
+    def is_alive(self) -> bool:
+        return self.worker.is_alive()
+
+    def send(self, command: tuple) -> None:
+        self.commands.put(command)
+
+    def receive(self, timeout: float) -> tuple | None:
+        """The next message, waiting up to ``timeout`` seconds (0 = only what is there); else None."""
+        try:
+            if timeout <= 0:
+                return self.results.get_nowait()
+            return self.results.get(timeout=timeout)
+        except queue.Empty:
+            return None
+
+    def seconds_since_heartbeat(self) -> float:
+        return time.monotonic() - float(self.heartbeat.value)
+
+    def stop(self, grace: float = 10.0) -> list[tuple]:
+        """Ask the producer to exit, wait up to ``grace`` s, then kill a process that is still alive
+        (SIGKILL also ends a hung or SIGSTOP-ed one; a thread is left to finish as a daemon).
+
+        Returns the messages that were still queued (drained so that the producer can exit).
+        """
+        leftover: list[tuple] = []
+        with contextlib.suppress(Exception):  # a dead producer's queue may be broken
+            self.send(("stop",))
+        deadline = time.monotonic() + grace
+        while self.worker.is_alive() and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                message = self.receive(0.05)
+                if message is not None:
+                    leftover.append(message)
+        if isinstance(self.worker, BaseProcess):
+            if self.worker.is_alive():
+                self.worker.kill()
+            self.worker.join(5.0)
+            for channel in (self.commands, self.results):
+                channel.cancel_join_thread()
+                channel.close()
+        return leftover

@@ -1,0 +1,120 @@
+"""Every YAML file under ``configs/`` parses and instantiates with the CLI's own parser.
+
+A file whose first line starts with ``# Overlay`` is an overlay and is parsed on top of
+``configs/quickstart.yaml``; any other file is a whole recipe and is parsed alone. The CLI builds
+model, data module and trainer (``run=False``: nothing is trained), so a missing argument or an
+invalid value fails here, and the parsed configuration must contain every value the file sets
+(nothing renamed or dropped on the way). The actor-objective overlays write out the defaults of
+the class they select, and there is one for every objective.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+import brace_lightning.objectives as objectives
+from brace_lightning.cli import run
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+QUICKSTART = CONFIGS / "quickstart.yaml"
+YAMLS = sorted(CONFIGS.rglob("*.yaml"))
+OVERLAYS = [path for path in YAMLS if path.read_text().startswith("# Overlay")]
+RECIPES = [path for path in YAMLS if path not in OVERLAYS]
+
+
+def _ids(paths: list[Path]) -> list[str]:
+    return [str(path.relative_to(CONFIGS)) for path in paths]
+
+
+def parsed_config(monkeypatch: pytest.MonkeyPatch, *configs: Path) -> dict[str, Any]:
+    """The configuration the CLI resolves from ``configs``, after instantiating every class."""
+    monkeypatch.setattr(sys, "argv", ["brace-lightning"])  # pytest's own arguments are not ours
+    args = []
+    for path in configs:
+        args += ["--config", str(path)]
+    cli = run([*args, "--trainer.logger=false"], run=False)
+    config = cli.config.as_dict()
+    config["trainer"].pop("logger")
+    return config
+
+
+def assert_contains(merged: Any, overlay: Any, where: str = "") -> None:
+    """Every key and value of ``overlay`` is present in ``merged`` (lists item by item)."""
+    if isinstance(overlay, list):
+        ok = isinstance(merged, list | tuple) and len(merged) == len(overlay)
+        assert ok, f"{where}: parsed {merged!r}, the file says {overlay!r}"
+        for i, (a, b) in enumerate(zip(merged, overlay, strict=True)):
+            assert_contains(a, b, f"{where}[{i}]")
+    elif isinstance(overlay, dict):
+        assert isinstance(merged, dict), f"{where}: expected a mapping, got {merged!r}"
+        for key, value in overlay.items():
+            assert key in merged, f"{where}.{key} is missing from the parsed configuration"
+            assert_contains(merged[key], value, f"{where}.{key}")
+    else:
+        assert merged == overlay, f"{where}: parsed {merged!r}, the file says {overlay!r}"
+
+
+def test_the_config_folder_holds_recipes_and_overlays() -> None:
+    assert QUICKSTART in RECIPES
+    # Files in a subfolder only select one component: they are all overlays.
+    assert {path for path in YAMLS if path.parent != CONFIGS} <= set(OVERLAYS)
+    assert {path.parent.name for path in OVERLAYS} >= {"targets", "objectives"}
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=_ids(RECIPES))
+def test_every_recipe_parses(path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recipe = yaml.safe_load(path.read_text())
+    recipe.get("trainer", {}).pop("logger", None)
+    assert_contains(parsed_config(monkeypatch, path), recipe)
+
+
+@pytest.mark.parametrize("path", OVERLAYS, ids=_ids(OVERLAYS))
+def test_every_overlay_parses_on_top_of_the_quickstart(
+    path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    overlay = yaml.safe_load(path.read_text())
+    assert isinstance(overlay, dict) and overlay, f"{path} is empty"
+    overlay.get("trainer", {}).pop("logger", None)
+    assert_contains(parsed_config(monkeypatch, QUICKSTART, path), overlay)
+
+
+OBJECTIVE_OVERLAYS = sorted((CONFIGS / "objectives").glob("*.yaml"))
+
+
+def _class(class_path: str) -> type:
+    module, _, name = class_path.rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize("path", OBJECTIVE_OVERLAYS, ids=_ids(OBJECTIVE_OVERLAYS))
+def test_objective_overlays_write_out_the_class_defaults(path: Path) -> None:
+    text = path.read_text()
+    assert text.startswith("# Overlay: "), "the first line says what the overlay selects"
+    selected = yaml.safe_load(text)["model"]["actor_objective"]
+    cls = _class(selected["class_path"])
+    assert issubclass(cls, objectives.ActorObjective)
+    parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    defaults = {p.name: p.default for p in parameters}
+    assert selected["init_args"] == defaults
+
+
+def test_there_is_one_objective_overlay_per_objective() -> None:
+    selected = [
+        yaml.safe_load(path.read_text())["model"]["actor_objective"]["class_path"]
+        for path in OBJECTIVE_OVERLAYS
+    ]
+    exported = {
+        f"brace_lightning.objectives.{name}"
+        for name in objectives.__all__
+        if isinstance(getattr(objectives, name), type)
+        and issubclass(getattr(objectives, name), objectives.ActorObjective)
+        and getattr(objectives, name) is not objectives.ActorObjective
+    }
+    assert sorted(selected) == sorted(exported)
