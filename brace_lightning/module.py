@@ -31,6 +31,8 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from brace_lightning.metrics import HorizonBeta
+from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
@@ -173,6 +175,8 @@ class BraceModule(pl.LightningModule):
                 nn.Parameter(torch.zeros_like(p), requires_grad=False)
                 for p in self.actor.parameters()
             )
+        # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
+        self.horizon_beta = HorizonBeta()
         self.policy_version = 0
         self.rollout_step = 0
         self._shuffle = torch.Generator().manual_seed(seed)
@@ -413,6 +417,7 @@ class BraceModule(pl.LightningModule):
         }
         if batch.correct is not None:
             metrics["rollout/accuracy"] = batch.correct.float().mean()
+        metrics.update(self._beta_metrics(batch, returns))
         for name, values in stats.items():
             per_update = torch.stack([v.float().reshape(()) for v in values])
             if name.endswith("_max"):
@@ -440,6 +445,22 @@ class BraceModule(pl.LightningModule):
                 logger=False,
                 batch_size=len(batch),
             )
+
+    def _beta_metrics(self, batch: RolloutBatch, returns: torch.Tensor) -> dict[str, float]:
+        """β of this step's critic targets on the realized return, per remaining-horizon bin
+        (``critic/beta_by_horizon/h<edge>``), and ``critic/beta``: the longest defined bin's β."""
+        realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
+        self.horizon_beta.reset()
+        self.horizon_beta.update(returns, realized, batch.mask)
+        beta = self.horizon_beta.compute()
+        out: dict[str, float] = {}
+        for edge, value, defined in zip(
+            beta.edges.tolist(), beta.value.tolist(), beta.defined.tolist(), strict=True
+        ):
+            if defined:
+                out[f"critic/beta_by_horizon/h{edge:05d}"] = value
+                out["critic/beta"] = value  # bins ascend: the last defined one wins
+        return out
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -58,6 +58,26 @@ def test_cli_fit_with_each_value_target_logs_to_tensorboard(tmp_path, target):
 
 
 @pytest.mark.slow
+def test_beta_is_logged_every_step_and_is_one_for_the_undiscounted_gae_return(tmp_path):
+    """GAE with γ = λ = 1 regresses the realized return itself, so β = 1 in every horizon bin;
+    a stale BRACE target (lag 2, values that are not the return) has a different slope."""
+    parity = ["--data.reward=tests.test_trainer.ParityReward", "--data.samples_per_prompt=4"]
+    gae = read_scalars(
+        run(
+            small_run(tmp_path / "gae", *parity, "--config", str(CONFIGS / "targets" / "gae.yaml"))
+        ).trainer.logger.log_dir
+    )
+    bins = [name for name in gae if name.startswith("critic/beta_by_horizon/")]
+    assert bins and [step for step, _ in gae["critic/beta"]] == [1, 2]
+    for name in [*bins, "critic/beta"]:
+        assert all(abs(value - 1.0) < 1e-4 for _, value in gae[name]), name
+    brace = read_scalars(
+        run(small_run(tmp_path / "brace", *parity, "--data.lag=2")).trainer.logger.log_dir
+    )
+    assert any(abs(value - 1.0) > 1e-3 for _, value in brace["critic/beta"])
+
+
+@pytest.mark.slow
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
     whole = run(small_run(tmp_path / "a", "--data.lag=0", steps=1))
     micro = run(small_run(tmp_path / "b", "--data.lag=0", "--model.micro_batch_size=3", steps=1))
@@ -118,6 +138,13 @@ class FailingReward(RewardFunction):
 
     def __call__(self, prompt: Prompt, completion: str) -> float:
         raise RuntimeError("verifier crashed")
+
+
+class ParityReward(RewardFunction):
+    """Scores 1 for completions of even length, else 0 (a reward with spread from a random model)."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        return float(len(completion) % 2 == 0)
 
 
 class HalfFailingReward(RewardFunction):

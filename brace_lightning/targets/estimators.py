@@ -26,6 +26,9 @@ class ValueTarget:
     #: Whether the estimator reads the importance weights π/µ (GAE does not).
     uses_importance_weights: bool = True
 
+    #: Discount per action step; subclasses set it in ``__init__`` (β's realized return uses it).
+    gamma: float = 1.0
+
     def __call__(
         self,
         *,
