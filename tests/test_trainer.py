@@ -58,6 +58,16 @@ def test_cli_fit_with_each_value_target_logs_to_tensorboard(tmp_path, target):
 
 
 @pytest.mark.slow
+def test_bf16_mixed_precision_trains_with_finite_losses(tmp_path):
+    cli = run(small_run(tmp_path, "--trainer.precision=bf16-mixed"))
+    assert cli.trainer.precision == "bf16-mixed"
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    for name in ("actor/loss", "critic/loss"):
+        assert len(scalars[name]) == 2
+        assert all(torch.isfinite(torch.tensor(value)) for _, value in scalars[name]), name
+
+
+@pytest.mark.slow
 def test_beta_is_logged_every_step_and_is_one_for_the_undiscounted_gae_return(tmp_path):
     """GAE with γ = λ = 1 regresses the realized return itself, so β = 1 in every horizon bin;
     a stale BRACE target (lag 2, values that are not the return) has a different slope."""
