@@ -43,6 +43,9 @@ from brace_lightning.targets import BRACE, ValueTarget
 MIN_LOG_RATIO = -20.0
 MAX_LOG_RATIO = 20.0
 
+#: Below this return variance the critic's explained variance is logged as NaN.
+EXPLAINED_VARIANCE_MIN_VAR = 1e-6
+
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of ``x`` over ``mask`` (0 for an empty mask)."""
@@ -403,7 +406,11 @@ class BraceModule(pl.LightningModule):
         metrics: dict[str, float | torch.Tensor] = {
             "rollout/reward": batch.scores.float().mean(),
             "rollout/response_length": mask.sum(1).float().mean(),
-            "critic/explained_variance": 1.0 - residual_var / return_var.clamp(min=1e-8),
+            # Undefined (NaN, as in Stable-Baselines3) when the targets have no spread: a floor on
+            # the denominator would log values like -1e6 for batches whose rewards are all equal.
+            "critic/explained_variance": 1.0 - residual_var / return_var
+            if float(return_var) > EXPLAINED_VARIANCE_MIN_VAR
+            else math.nan,
             "critic/value_mean": masked_mean(old_values, mask),
             "critic/target_mean": masked_mean(returns, mask),
             "weights/log_w_mean": masked_mean(log_w, mask),

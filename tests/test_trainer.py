@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,25 @@ def test_bf16_mixed_precision_trains_with_finite_losses(tmp_path):
     for name in ("actor/loss", "critic/loss"):
         assert len(scalars[name]) == 2
         assert all(torch.isfinite(torch.tensor(value)) for _, value in scalars[name]), name
+
+
+@pytest.mark.slow
+def test_explained_variance_is_nan_without_target_spread_and_versions_are_logged(tmp_path):
+    gae = ["--config", str(CONFIGS / "targets" / "gae.yaml")]
+    flat = read_scalars(
+        run(
+            small_run(tmp_path / "flat", *gae, "--data.reward=tests.test_trainer.ConstantReward")
+        ).trainer.logger.log_dir
+    )
+    assert all(math.isnan(value) for _, value in flat["critic/explained_variance"])
+    spread = read_scalars(
+        run(
+            small_run(tmp_path / "spread", *gae, "--data.reward=tests.test_trainer.ParityReward")
+        ).trainer.logger.log_dir
+    )
+    assert all(math.isfinite(v) and v <= 1.0 for _, v in spread["critic/explained_variance"])
+    # the trainer's version when each batch was consumed: 0 before the first update, then 1
+    assert [value for _, value in spread["data/trainer_version"]] == [0.0, 1.0]
 
 
 @pytest.mark.slow
@@ -155,6 +175,13 @@ class ParityReward(RewardFunction):
 
     def __call__(self, prompt: Prompt, completion: str) -> float:
         return float(len(completion) % 2 == 0)
+
+
+class ConstantReward(RewardFunction):
+    """Scores every completion 1 (targets without spread)."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        return 1.0
 
 
 class HalfFailingReward(RewardFunction):

@@ -474,6 +474,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
                 for k in range(self.max_staleness + 1)
             },
             "mixed_version_fraction": float(mixed.float().mean()) if len(batch) else 0.0,
+            "trainer_version": float(self.trainer_version),  # at consume time
             "queue_depth": float(self.buffer.num_batches),
             "in_flight": float(self._granted - self._received),
             "trainer_idle_s": waited,

@@ -228,6 +228,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 "staleness_mean": float(staleness[keep].float().mean()) if len(batch) else 0.0,
                 "staleness_max": float(staleness[keep].max()) if len(batch) else 0.0,
                 "engine_version": float(engine.version),
+                "trainer_version": float(self.trainer_version),  # at consume time
                 "temperature": float(engine.temperature),
                 **{f"count/{name}": float(value) for name, value in self.counters.items()},
             }
