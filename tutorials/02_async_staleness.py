@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -298,5 +300,5 @@ plt.show()
 # of overlapping generation with training.
 #
 # `critic/explained_variance` is logged too, but it is computed per batch and divides by the
-# variance of the batch's returns, so it is meaningless on a batch where nearly every answer gets
-# the same reward (common at this size): it is left out of the table.
+# variance of the batch's returns: it is NaN on a batch where every answer gets the same reward and
+# erratic when nearly every one does (common at this size), so it is left out of the table.
