@@ -1,4 +1,4 @@
-"""``brace-lightning``: the LightningCLI entry point (``fit``, ``--print_config``).
+"""``brace-lightning``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``).
 
 brace-lightning fit --config configs/quickstart.yaml
 brace-lightning fit --config configs/quickstart.yaml --config configs/targets/gae.yaml

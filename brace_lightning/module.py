@@ -31,7 +31,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
-from brace_lightning.metrics import HorizonBeta
+from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.policy import token_logprobs
@@ -180,6 +180,8 @@ class BraceModule(pl.LightningModule):
             )
         # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
         self.horizon_beta = HorizonBeta()
+        # ĝ_π against Monte-Carlo returns of fresh on-policy rollouts (the validation batches).
+        self.val_value_gap = ValueBiasGap()
         self.policy_version = 0
         self.rollout_step = 0
         self._shuffle = torch.Generator().manual_seed(seed)
@@ -261,6 +263,32 @@ class BraceModule(pl.LightningModule):
             self.policy_version += 1
             self._publish()
         self._log_step(batch, proximal_logprobs, old_values, targets.returns, stats, target_seconds)
+
+    def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)
+        and the critic's value-bias gap to their realized returns (``val/value_gap_mc``)."""
+        batch = batch.to(self.device)
+        values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
+        realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
+        self.val_value_gap.update(values, realized, batch.mask)
+        size = len(batch)
+        # logger=False: on_validation_end writes them at the rollout step, the x-axis of training.
+        log = {"batch_size": size, "logger": False}
+        self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
+        self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
+        if batch.correct is not None:
+            self.log("val/accuracy", batch.correct.float().mean(), **log)
+        self.log("val/value_gap_mc", self.val_value_gap, **log)
+
+    def on_validation_end(self) -> None:
+        values = {
+            name: float(value)
+            for name, value in self.trainer.callback_metrics.items()
+            if name.startswith("val/")
+        }
+        if values and not self.trainer.sanity_checking:
+            for logger in self.loggers:
+                logger.log_metrics(values, step=self.rollout_step)
 
     def _update(
         self,

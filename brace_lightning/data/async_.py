@@ -56,7 +56,13 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from brace_lightning.data.sync import COUNTERS, EngineFactory, _cpu_copy, _RolloutStream
+from brace_lightning.data.sync import (
+    COUNTERS,
+    EngineFactory,
+    _cpu_copy,
+    _RolloutStream,
+    validation_loader,
+)
 from brace_lightning.models import load_tokenizer
 from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
 from brace_lightning.rollout.types import RolloutBatch
@@ -109,6 +115,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         producer_timeout: seconds without a heartbeat (one per decoding step, and while idle) after
             which a producer the trainer waits on is declared hung and an error is raised.
         seed: seed of the prompt draws.
+        val_batches: rollout batches per validation pass, generated in the training process with
+            the current weights (not by the producer); 0 = no validation.
     """
 
     def __init__(
@@ -127,6 +135,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         producer_threads: int = 1,
         producer_timeout: float = 300.0,
         seed: int = 0,
+        val_batches: int = 0,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -134,6 +143,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             ("samples_per_prompt", samples_per_prompt, 1),
             ("max_staleness", max_staleness, 0),
             ("producer_threads", producer_threads, 1),
+            ("val_batches", val_batches, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
@@ -163,6 +173,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self.producer_threads = producer_threads
         self.producer_timeout = float(producer_timeout)
         self.seed = seed
+        self.val_batches = val_batches
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer)
         self.buffer = StalenessBuffer(max_staleness)
         self.trainer_version = 0
@@ -197,6 +208,9 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> DataLoader:
         # No DataLoader workers: requests and weights leave from the training process.
         return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> Any:
+        return validation_loader(self, self.val_batches, self.seed + 1)
 
     def teardown(self, stage: str) -> None:
         self._shutdown()

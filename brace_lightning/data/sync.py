@@ -47,6 +47,49 @@ class _RolloutStream(IterableDataset):
             yield self.datamodule.next_batch()
 
 
+class _ValidationRollouts(IterableDataset):
+    """``num_batches`` rollout batches sampled with the trainer's *current* actor weights.
+
+    Every validation pass draws the same prompts (a generator seeded with ``seed``) and builds a
+    fresh engine from the actor, so the rows are on-policy: their realized returns are unbiased
+    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_gap_mc``.
+    """
+
+    def __init__(self, datamodule: pl.LightningDataModule, num_batches: int, seed: int) -> None:
+        self.datamodule = datamodule
+        self.num_batches = num_batches
+        self.seed = seed
+
+    def __iter__(self) -> Iterator[RolloutBatch]:
+        dm: Any = self.datamodule
+        module = dm.trainer.lightning_module
+        engine = (dm.engine_factory or EmbeddedEngine)(module.actor)
+        generator = torch.Generator().manual_seed(self.seed)
+        try:
+            for index in range(self.num_batches):
+                prompts = dm.task.sample(dm.prompts_per_step, generator)
+                yield collect_rollouts(
+                    engine,
+                    prompts,
+                    dm.tokenizer,
+                    dm.reward,
+                    num_samples=dm.samples_per_prompt,
+                    group_id_offset=index * len(prompts),
+                )
+        finally:
+            engine.close()
+
+
+def validation_loader(datamodule: pl.LightningDataModule, num_batches: int, seed: int) -> Any:
+    """The ``val_dataloader`` of both rollout data modules: ``num_batches`` on-policy batches
+    (an empty list when 0, which Lightning treats as "no validation")."""
+    if num_batches == 0:
+        return []
+    return DataLoader(
+        _ValidationRollouts(datamodule, num_batches, seed), batch_size=None, num_workers=0
+    )
+
+
 class RolloutDataModule(pl.LightningDataModule):
     """Generates rollout batches with an engine that holds the actor's (possibly lagged) weights.
 
@@ -64,6 +107,9 @@ class RolloutDataModule(pl.LightningDataModule):
         max_staleness: rows older than this many versions when consumed are dropped; None = no
             bound. Must be >= ``lag`` (else every batch would be dropped).
         seed: seed of the prompt draws.
+        val_batches: rollout batches per validation pass (``validate``, and during ``fit`` every
+            ``trainer.check_val_every_n_epoch``), sampled with the current weights from the same
+            fixed prompts each time; 0 = no validation.
     """
 
     def __init__(
@@ -78,12 +124,14 @@ class RolloutDataModule(pl.LightningDataModule):
         lag: int = 0,
         max_staleness: int | None = None,
         seed: int = 0,
+        val_batches: int = 0,
     ) -> None:
         super().__init__()
         for name, value, low in (
             ("prompts_per_step", prompts_per_step, 1),
             ("samples_per_prompt", samples_per_prompt, 1),
             ("lag", lag, 0),
+            ("val_batches", val_batches, 0),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
@@ -102,6 +150,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.lag = lag
         self.max_staleness = max_staleness
         self.seed = seed
+        self.val_batches = val_batches
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer)
         self.engine: RolloutEngine | None = None
         self.trainer_version = 0
@@ -118,6 +167,9 @@ class RolloutDataModule(pl.LightningDataModule):
         # batch_size=None: the stream already yields whole batches; no worker processes, because
         # the engine must see the weights published by the training process after every step.
         return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
+
+    def val_dataloader(self) -> Any:
+        return validation_loader(self, self.val_batches, self.seed + 1)
 
     def teardown(self, stage: str) -> None:
         if self.engine is not None:
