@@ -11,6 +11,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 
+from brace_lightning.checks import require_int
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.warmstart import supervised_warm_start
 
@@ -40,8 +41,7 @@ class SupervisedWarmStart(pl.Callback):
         seed: int = 0,
     ) -> None:
         for name, value in (("num_pairs", num_pairs), ("steps", steps), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1; got {value!r}.")
+            require_int(name, value, 1)
         if not lr > 0:
             raise ValueError(f"lr must be > 0; got {lr!r}.")
         self.num_pairs = num_pairs

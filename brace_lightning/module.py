@@ -31,6 +31,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
+from brace_lightning.checks import require_int
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
@@ -119,8 +120,7 @@ class BraceModule(pl.LightningModule):
             ("num_minibatches", num_minibatches, 1),
             ("critic_warmup_steps", critic_warmup_steps, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+            require_int(name, value, low)
         if micro_batch_size is not None and (
             not isinstance(micro_batch_size, int) or micro_batch_size < 1
         ):

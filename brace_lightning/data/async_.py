@@ -56,6 +56,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+from brace_lightning.checks import require_int
 from brace_lightning.data.sync import (
     COUNTERS,
     EngineFactory,
@@ -145,8 +146,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             ("producer_threads", producer_threads, 1),
             ("val_batches", val_batches, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+            require_int(name, value, low)
         if lag_mode not in ("async", "fixed"):
             raise ValueError(f"lag_mode must be 'async' or 'fixed'; got {lag_mode!r}.")
         if producer not in ("process", "thread"):

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
+from brace_lightning.checks import require_int
 from brace_lightning.models import load_tokenizer
 from brace_lightning.rollout.collect import collect_rollouts
 from brace_lightning.rollout.embedded import EmbeddedEngine
@@ -133,8 +134,7 @@ class RolloutDataModule(pl.LightningDataModule):
             ("lag", lag, 0),
             ("val_batches", val_batches, 0),
         ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
+            require_int(name, value, low)
         if max_staleness is not None and (
             not isinstance(max_staleness, int) or max_staleness < lag
         ):

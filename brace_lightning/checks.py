@@ -1,0 +1,12 @@
+"""Argument checks shared by the config-taking classes (data modules, the module, callbacks).
+
+Each raises ValueError with one sentence naming the argument, the value and what is expected.
+"""
+
+from __future__ import annotations
+
+
+def require_int(name: str, value: object, low: int) -> None:
+    """Raise ValueError unless ``value`` is an int (not a bool) and at least ``low``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name} must be an integer >= {low}; got {value!r}.")
