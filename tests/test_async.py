@@ -32,7 +32,12 @@ from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 from brace_lightning.tasks.base import Prompt, RewardFunction
-from tests.test_trainer import CONFIGS, actor_weights, small_run
+from tests.test_trainer import (
+    CONFIGS,
+    actor_weights,
+    small_run,
+    stop_and_checkpoint_at_step_10,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = load_tokenizer("tiny-char").convert_tokens_to_ids("1")
@@ -453,13 +458,7 @@ def test_fixed_lag_resume_is_exact(tmp_path):
         "--model.num_minibatches=2",
     ]
     straight = run(small_run(tmp_path / "straight", *common, steps=5))
-    save = [
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=10",
-        "--trainer.callbacks.save_top_k=-1",
-        "--trainer.max_steps=10",
-    ]
+    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
     first = run(small_run(tmp_path / "first", *common, *save, steps=5))
     assert first.model.rollout_step == 3
     checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"

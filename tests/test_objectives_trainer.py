@@ -18,7 +18,12 @@ from brace_lightning.cli import run
 from brace_lightning.logs import read_scalars
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
-from tests.test_trainer import CONFIGS, actor_weights, small_run
+from tests.test_trainer import (
+    CONFIGS,
+    actor_weights,
+    small_run,
+    stop_and_checkpoint_at_step_10,
+)
 
 TARGETS = {"gae": "GAE", "vtrace": "VTrace", "brace": "BRACE"}
 OBJECTIVES = {
@@ -195,13 +200,7 @@ def test_ewma_weights_are_checkpointed_and_resume_exactly(tmp_path: Path) -> Non
         "--trainer.limit_train_batches=4",
     ]
     straight = run(small_run(tmp_path / "straight", *common, steps=4))
-    save = [
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=10",
-        "--trainer.callbacks.save_top_k=-1",
-        "--trainer.max_steps=10",
-    ]
+    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
     first = run(small_run(tmp_path / "first", *common, *save, steps=4))
     assert first.model.rollout_step == 3 and int(first.model.ewma_steps) == 4
     checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"

@@ -37,6 +37,17 @@ def small_run(tmp_path: Path, *extra: str, steps: int = 2) -> list[str]:
     ]
 
 
+def stop_and_checkpoint_at_step_10(dirpath: Path) -> list[str]:
+    """CLI args that stop the run after 10 optimizer steps and save a checkpoint there."""
+    return [
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={dirpath}",
+        "--trainer.callbacks.every_n_train_steps=10",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.max_steps=10",
+    ]
+
+
 def actor_weights(cli) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in cli.model.actor.state_dict().items()}
 
@@ -157,13 +168,7 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
         "--trainer.limit_train_batches=4",
     ]
     straight = run(small_run(tmp_path / "straight", *common, steps=4))
-    save = [
-        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
-        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=10",
-        "--trainer.callbacks.save_top_k=-1",
-        "--trainer.max_steps=10",
-    ]
+    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
     first = run(small_run(tmp_path / "first", *common, *save, steps=4))
     assert first.model.rollout_step == 3
     checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
