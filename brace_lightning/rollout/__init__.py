@@ -4,11 +4,13 @@ from brace_lightning.rollout.collect import collect_rollouts
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.rollout.vllm import VLLMEngine
 
 __all__ = [
     "EmbeddedEngine",
     "GenerationOutput",
     "RolloutBatch",
     "RolloutEngine",
+    "VLLMEngine",
     "collect_rollouts",
 ]
