@@ -90,7 +90,7 @@ def test_generation_layout_and_stop_tokens(engine, actor):
 
 
 def test_extra_stop_tokens_end_one_call(engine):
-    out = engine.generate(PROMPTS, num_samples=4, stop_token_ids=list(range(3, 100)))
+    out = engine.generate(PROMPTS, num_samples=4, extra_stop_token_ids=list(range(3, 100)))
     assert all(len(tokens) == 1 for tokens in out.response_ids if tokens[0] >= 3)
     assert all(reason == "stop" for reason in out.finish_reason)
 

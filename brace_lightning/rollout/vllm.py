@@ -229,17 +229,15 @@ class VLLMEngine(RolloutEngine):
         prompts: list[list[int]],
         *,
         num_samples: int = 1,
-        stop_token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
+        extra_stop_token_ids: Sequence[int] = (),
     ) -> GenerationOutput:
         """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`.
 
-        ``stop_token_ids`` (optional) are extra ids that end a response in this call only (a tool
-        call's closing token in multi-turn episodes); ``max_new_tokens`` overrides the budget.
+        ``extra_stop_token_ids`` also end a response in this call only (a tool call's closing
+        token in multi-turn episodes), next to ``stop_token_ids``.
         """
         check_generate_args(prompts, num_samples, self._vocab_size)
-        stops = sorted(set(self.stop_token_ids) | set(stop_token_ids or ()))
-        budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
         base = self.seed + _SEED_STRIDE * self._calls
         self._calls += 1
         params = [
@@ -247,7 +245,7 @@ class VLLMEngine(RolloutEngine):
                 n=num_samples,
                 temperature=self.temperature,
                 top_p=self.top_p,
-                max_tokens=budget,
+                max_tokens=self.max_new_tokens,
                 logprobs=0,
                 stop_token_ids=stops,
                 seed=base + j,

@@ -366,17 +366,17 @@ class VLLMServerEngine(RolloutEngine):
         prompts: list[list[int]],
         *,
         num_samples: int = 1,
-        stop_token_ids: Sequence[int] | None = None,
-        max_new_tokens: int | None = None,
+        extra_stop_token_ids: Sequence[int] = (),
     ) -> GenerationOutput:
         """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`.
+
+        ``extra_stop_token_ids`` also end a response in this call only (multi-turn tool calls).
 
         Raises:
             VLLMServerError: when a server is unreachable, died, errs, or serves another version.
         """
         check_generate_args(prompts, num_samples, self._vocab_size)
-        stops = sorted(set(self.stop_token_ids) | set(stop_token_ids or ()))
-        budget = self.max_new_tokens if max_new_tokens is None else int(max_new_tokens)
+        stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
         for url, served in zip(self.urls, self.served_versions(), strict=True):
             if served != self._version:
                 raise VLLMServerError(
@@ -394,7 +394,7 @@ class VLLMServerEngine(RolloutEngine):
                 "n": num_samples,
                 "temperature": self.temperature,
                 "top_p": self.top_p,
-                "max_tokens": budget,
+                "max_tokens": self.max_new_tokens,
                 "logprobs": 0,
                 "return_token_ids": True,
                 "stop_token_ids": stops,
