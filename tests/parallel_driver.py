@@ -206,6 +206,9 @@ def run_fixed(args: argparse.Namespace) -> None:
         enable_model_summary=False,
         default_root_dir=args.out,
     )
+    # Lightning 2.6.6 loads a sharded checkpoint's metadata with torch.load(weights_only=True)
+    # whatever fit() is told, and the hyperparameters hold the optimizer partials.
+    torch.serialization.add_safe_globals([functools.partial, torch.optim.SGD])
     trainer.fit(module, datamodule=FixedData(), ckpt_path=args.resume)
 
 
