@@ -49,7 +49,9 @@ def fixed_batch(seed: int = 0) -> RolloutBatch:
         prompt = 2 + row % 3
         actions = 3 + (row * 5) % 7
         end = PROMPT + actions
-        input_ids[row, PROMPT - prompt : end] = torch.randint(3, 100, (prompt + actions,), generator=g)
+        input_ids[row, PROMPT - prompt : end] = torch.randint(
+            3, 100, (prompt + actions,), generator=g
+        )
         attention[row, PROMPT - prompt : end] = True
         mask[row, PROMPT:end] = True
         rewards[row, end - 1] = float(row % 2)
