@@ -144,7 +144,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 def unsharded_copy(model: nn.Module) -> nn.Module:
     """A model the rollout engines can deep-copy: ``model`` itself when it is not sharded, else a
-    fresh CPU model built from its config holding :func:`full_state_dict` (a collective).
+    fresh model built from its config holding :func:`full_state_dict` (a collective), on the
+    device of this rank's shards (so a GPU rank's engine generates on its GPU).
 
     Raises:
         ValueError: when a sharded model is not a Hugging Face ``PreTrainedModel``.
@@ -156,9 +157,10 @@ def unsharded_copy(model: nn.Module) -> nn.Module:
             f"unsharded_copy got a sharded {type(model).__name__}; expected a transformers "
             "PreTrainedModel (it is rebuilt from its config)."
         )
+    device = next(model.parameters()).device  # a DTensor reports its local device
     weights = full_state_dict(model)
     config = copy.deepcopy(model.config)
     dtype = next(iter(weights.values())).dtype
     plain = load_causal_lm(config, dtype=dtype, seed=0)
     plain.load_state_dict(weights, strict=True)
-    return plain.eval()
+    return plain.to(device).eval()
