@@ -342,7 +342,11 @@ def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_chec
 
 @pytest.mark.slow
 def test_ddp_recipe_ranks_agree(tmp_path: Path) -> None:
-    reports = _driver(tmp_path, *_cli("ddp/cpu_2proc.yaml", steps=2))
+    reports = _driver(
+        tmp_path / "run",
+        *_cli("ddp/cpu_2proc.yaml", steps=2),
+        f"--trainer.default_root_dir={tmp_path}",
+    )
     _assert_ranks_agree(reports)
     assert not reports[0]["sharded"] and reports[0]["policy_version"] == 2
     assert reports[0]["prompt_stream"] != reports[1]["prompt_stream"]
