@@ -284,13 +284,16 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path: Path)
         assert _max_diff(_weights(resumed)[name], _weights(straight)[name]) == 0.0
 
 
-def _cli(*overlays: str, steps: int = 3) -> list[str]:
+def _cli(root: Path, *overlays: str, steps: int = 3) -> list[str]:
+    """Driver arguments of a small CLI run of the quickstart plus ``overlays``; Lightning writes
+    its config and checkpoints under ``root``."""
     args = ["cli", "--", "fit", "--config", str(CONFIGS / "quickstart.yaml")]
     for overlay in overlays:
         args += ["--config", str(CONFIGS / overlay)]
     return [
         *args,
         "--trainer.callbacks=[]",
+        f"--trainer.default_root_dir={root}",
         f"--trainer.limit_train_batches={steps}",
         "--trainer.logger=false",
         "--trainer.enable_progress_bar=false",
@@ -308,9 +311,7 @@ def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_chec
     tmp_path: Path,
 ) -> None:
     recipe = "fsdp/cpu_2proc.yaml"
-    straight = _driver(
-        tmp_path / "straight", *_cli(recipe), f"--trainer.default_root_dir={tmp_path}"
-    )
+    straight = _driver(tmp_path / "straight", *_cli(tmp_path, recipe))
     _assert_ranks_agree(straight)
     assert straight[0]["sharded"] and straight[0]["policy_version"] == 3
     assert straight[0]["prompt_stream"] != straight[1]["prompt_stream"]
@@ -318,8 +319,7 @@ def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_chec
     ckpt = tmp_path / "ckpt"
     _driver(
         tmp_path / "first",
-        *_cli(recipe),
-        f"--trainer.default_root_dir={tmp_path}",
+        *_cli(tmp_path, recipe),
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={ckpt}",
         "--trainer.callbacks.save_top_k=-1",
@@ -330,8 +330,7 @@ def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_chec
     assert checkpoint.is_dir()  # a sharded checkpoint is a folder
     resumed = _driver(
         tmp_path / "resumed",
-        *_cli(recipe),
-        f"--trainer.default_root_dir={tmp_path}",
+        *_cli(tmp_path, recipe),
         f"--ckpt_path={checkpoint}",
     )
     for got, want in zip(resumed, straight, strict=True):
@@ -344,8 +343,7 @@ def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_chec
 def test_ddp_recipe_ranks_agree(tmp_path: Path) -> None:
     reports = _driver(
         tmp_path / "run",
-        *_cli("ddp/cpu_2proc.yaml", steps=2),
-        f"--trainer.default_root_dir={tmp_path}",
+        *_cli(tmp_path, "ddp/cpu_2proc.yaml", steps=2),
     )
     _assert_ranks_agree(reports)
     assert not reports[0]["sharded"] and reports[0]["policy_version"] == 2
