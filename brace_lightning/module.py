@@ -12,6 +12,11 @@ is prefetched with stale weights) and does, in this order:
    micro-batches. Every token loss is summed and divided by the minibatch's global count of action
    tokens, so accumulation and data parallelism give the gradient of one big batch;
 4. the new actor weights are published to the data module (a new policy version).
+
+Data parallelism: with ``strategy: ddp`` or Lightning's ``ModelParallelStrategy`` (FSDP2, applied by
+:meth:`BraceModule.configure_model` through ``models/parallelize.py``) every rank trains on its own
+rollouts; token losses are divided by the global token count and logged metrics are combined over
+ranks (:func:`combine_rank_metrics`), so the update is the one of the concatenated batch.
 """
 
 from __future__ import annotations
@@ -29,12 +34,15 @@ import numpy as np
 import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.parallelize import full_state_dict, is_sharded, parallelize
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
@@ -90,6 +98,8 @@ class BraceModule(pl.LightningModule):
         tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
         tiny_num_layers: depth of the ``"tiny-char"`` model.
         seed: seed of the tiny model's initialisation and of the minibatch shuffling.
+        activation_checkpointing: under ``ModelParallelStrategy`` (FSDP2), recompute each
+            transformer block's activations in the backward pass (less memory, one more forward).
     """
 
     def __init__(
@@ -113,6 +123,7 @@ class BraceModule(pl.LightningModule):
         tiny_hidden_size: int = 128,
         tiny_num_layers: int = 2,
         seed: int = 0,
+        activation_checkpointing: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -155,6 +166,7 @@ class BraceModule(pl.LightningModule):
         self.critic_warmup_steps = critic_warmup_steps
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
+        self.activation_checkpointing = activation_checkpointing
 
         self.tokenizer = load_tokenizer(actor)
         self.actor = load_actor(
@@ -185,6 +197,31 @@ class BraceModule(pl.LightningModule):
         self.policy_version = 0
         self.rollout_step = 0
         self._shuffle = torch.Generator().manual_seed(seed)
+
+    # ------------------------------------------------------------------ parallelism
+
+    def configure_model(self) -> None:
+        """Shard actor and critic with FSDP2 under ``ModelParallelStrategy`` (else nothing).
+
+        Idempotent: Lightning may call it more than once and a sharded model is left as it is.
+        """
+        trainer = self._trainer
+        if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+            if self.activation_checkpointing:
+                raise ValueError(
+                    "activation_checkpointing=True needs trainer.strategy ModelParallelStrategy "
+                    f"(FSDP2); got {type(trainer.strategy).__name__ if trainer else None}."
+                )
+            return
+        if self.ewma_actor is not None:
+            raise ValueError(
+                "actor_objective.ewma_decay is not supported with ModelParallelStrategy (FSDP2): "
+                "the EWMA actor is a full copy of the actor; use strategy 'ddp' or ewma_decay=None."
+            )
+        for model in (self.actor, self.critic):
+            parallelize(
+                model, self.device_mesh, activation_checkpointing=self.activation_checkpointing
+            )
 
     # ------------------------------------------------------------------ optimizers
 
@@ -238,7 +275,7 @@ class BraceModule(pl.LightningModule):
             target_seconds = time.perf_counter() - start
             advantages = targets.advantages
             if self.whiten_advantages:
-                advantages = whiten(advantages, batch.mask)
+                advantages = self._whiten(advantages, batch.mask)
 
         train_actor = self.rollout_step >= self.critic_warmup_steps
         stats: dict[str, list[torch.Tensor]] = {}
@@ -339,6 +376,8 @@ class BraceModule(pl.LightningModule):
             self.manual_backward(actor_loss)
             _add(sums, "actor/loss", actor_loss.detach() / self.trainer.world_size)
             _add_stats(sums, "actor", actor_out.stats, tokens)
+        if self.trainer.world_size > 1:
+            sums = self._reduce_over_ranks(sums)
         for name, value in sums.items():
             stats.setdefault(name, []).append(value)
 
@@ -368,6 +407,17 @@ class BraceModule(pl.LightningModule):
         actor_opt, critic_opt = self.optimizers()
         return by_opt.get(id(actor_opt.optimizer)), by_opt.get(id(critic_opt.optimizer))
 
+    def _whiten(self, x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+        """:func:`whiten` with mean and variance over the actions of all data-parallel ranks."""
+        if self.trainer.world_size == 1:
+            return whiten(x, mask, eps)
+        count = self._global_count(mask)
+        strategy = self.trainer.strategy
+        mean = strategy.reduce(torch.where(mask, x, 0.0).sum(), reduce_op="sum") / count
+        centered = torch.where(mask, x - mean, 0.0)
+        var = strategy.reduce((centered**2).sum(), reduce_op="sum") / count
+        return centered * torch.rsqrt(var + eps)
+
     def _global_count(self, mask: torch.Tensor) -> torch.Tensor:
         """Action tokens of this minibatch summed over all data-parallel ranks (at least 1)."""
         count = mask.sum().to(torch.float32)
@@ -375,12 +425,26 @@ class BraceModule(pl.LightningModule):
             count = self.trainer.strategy.reduce(count, reduce_op="sum")
         return count.clamp(min=1.0)
 
+    def _reduce_over_ranks(self, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Per-minibatch stats of all ranks: ``*_max`` → maximum, the rest → sum (they are this
+        rank's share of a loss or count already divided by the global token count)."""
+        names = sorted(sums)
+        values = torch.stack([sums[name].float().reshape(()) for name in names])
+        is_max = torch.tensor([name.endswith("_max") for name in names], device=values.device)
+        strategy = self.trainer.strategy
+        total = strategy.reduce(torch.where(is_max, 0.0, values), reduce_op="sum")
+        peak = strategy.reduce(torch.where(is_max, values, -math.inf), reduce_op="max")
+        combined = torch.where(is_max, peak, total)
+        return dict(zip(names, combined.unbind(), strict=True))
+
     def _clip(self, model: nn.Module) -> torch.Tensor:
         params = [p for p in model.parameters() if p.grad is not None]
         if not params:
             return torch.zeros((), device=self.device)
         max_norm = math.inf if self.max_grad_norm is None else self.max_grad_norm
-        return torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+        # FSDP2: the norm of DTensor gradients is a replicated DTensor (the global norm).
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     @contextlib.contextmanager
     def _blame(self, component: object) -> Iterator[None]:
@@ -413,7 +477,10 @@ class BraceModule(pl.LightningModule):
     def _publish(self) -> None:
         datamodule = self.trainer.datamodule if self.trainer is not None else None
         if datamodule is not None and hasattr(datamodule, "publish"):
-            datamodule.publish(self.actor.state_dict(), self.policy_version)
+            # Under FSDP every rank takes part in the gather and gets the full weights.
+            sharded = is_sharded(self.actor)
+            weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
+            datamodule.publish(weights, self.policy_version)
 
     def _log_step(
         self,
@@ -467,6 +534,10 @@ class BraceModule(pl.LightningModule):
         # x-axis = rollout step (one rollout batch), not Lightning's global_step, which counts
         # every optimizer step of both optimizers and so moves unevenly across critic warm-up.
         values = {name: float(value) for name, value in metrics.items()}
+        if self.trainer.world_size > 1:
+            per_rank: list[Any] = [None] * self.trainer.world_size
+            torch.distributed.all_gather_object(per_rank, values)
+            values = combine_rank_metrics(per_rank)
         for logger in self.loggers:
             logger.log_metrics(values, step=self.rollout_step)
         self.log(
@@ -519,6 +590,27 @@ class BraceModule(pl.LightningModule):
         random.setstate(state["python_rng"])
         name, keys, pos, has_gauss, cached = state["numpy_rng"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+
+def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
+    """One value per metric from every data-parallel rank's: ``*_max`` → maximum,
+    ``data/count/*`` (sample counters) → sum, anything else → mean over the ranks that logged it.
+
+    The minibatch statistics (losses, clip fractions, ...) are already summed over ranks in
+    ``_update``, so their mean is the value itself; rollout metrics such as ``rollout/reward``
+    become the mean of the per-rank means (ranks hold equally many rows).
+    """
+    names = sorted({name for values in per_rank for name in values})
+    out: dict[str, float] = {}
+    for name in names:
+        values = [ranked[name] for ranked in per_rank if name in ranked]
+        if name.endswith("_max"):
+            out[name] = max(values)
+        elif name.startswith("data/count/"):
+            out[name] = sum(values)
+        else:
+            out[name] = sum(values) / len(values)
+    return out
 
 
 def _numpy_state_to_plain(state: Any) -> tuple[str, list[int], int, int, float]:

@@ -62,9 +62,13 @@ from brace_lightning.data.sync import (
     EngineFactory,
     _cpu_copy,
     _RolloutStream,
+    gather_rank_states,
+    rank_state,
+    seed_for_rank,
     validation_loader,
 )
 from brace_lightning.models import load_tokenizer
+from brace_lightning.models.parallelize import full_state_dict, is_sharded, unsharded_copy
 from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.rollout.workers import (
@@ -198,6 +202,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, stage: str) -> None:
+        seed_for_rank(self)
         # Spawn early so that the producer's imports overlap with the rest of the fit start-up (the
         # warm start); its weights are sent with the first request, after on_fit_start.
         if stage == "fit" and self.producer == "process" and self._handle is None:
@@ -225,6 +230,9 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         """
         if self._started:
             self._wait(lambda: self._received == self._granted, "checkpointing in-flight batches")
+        return gather_rank_states(self, self._local_state_dict())
+
+    def _local_state_dict(self) -> dict[str, Any]:
         return {
             "generator": self._generator.get_state(),
             "next_group": self._next_group,
@@ -243,6 +251,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
                 "AsyncRolloutDataModule.load_state_dict was called after the producer started; "
                 "expected it before the first batch."
             )
+        state_dict = rank_state(self, state_dict)
         self._generator.set_state(state_dict["generator"])
         self._next_group = int(state_dict["next_group"])
         self._granted = self._received = int(state_dict["granted"])
@@ -273,7 +282,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
 
     def _spawn(self, actor: nn.Module) -> None:
         if self.producer == "thread":
-            self._handle = ProducerHandle.thread(self._spec(), build_engine(self._spec(), actor))
+            engine = build_engine(self._spec(), unsharded_copy(actor))
+            self._handle = ProducerHandle.thread(self._spec(), engine)
             return
         config = getattr(actor, "config", None)
         if not isinstance(config, PretrainedConfig):
@@ -295,7 +305,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         if self._handle is None:
             self._spawn(actor)
         assert self._handle is not None
-        weights = _cpu_copy(actor.state_dict())
+        # Under FSDP every rank takes part in the gather and gets the full weights.
+        weights = _cpu_copy(full_state_dict(actor) if is_sharded(actor) else actor.state_dict())
         self._weight_keys = frozenset(weights)
         self._handle.send(("init", self.trainer_version, weights, self._engine_state))
         self._started = True

@@ -26,6 +26,7 @@ from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.checks import require_int
 from brace_lightning.models import load_tokenizer
+from brace_lightning.models.parallelize import unsharded_copy
 from brace_lightning.rollout.collect import collect_rollouts
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
@@ -64,7 +65,7 @@ class _ValidationRollouts(IterableDataset):
     def __iter__(self) -> Iterator[RolloutBatch]:
         dm: Any = self.datamodule
         module = dm.trainer.lightning_module
-        engine = (dm.engine_factory or EmbeddedEngine)(module.actor)
+        engine = (dm.engine_factory or EmbeddedEngine)(unsharded_copy(module.actor))
         generator = torch.Generator().manual_seed(self.seed)
         try:
             for index in range(self.num_batches):
@@ -171,11 +172,17 @@ class RolloutDataModule(pl.LightningDataModule):
     def val_dataloader(self) -> Any:
         return validation_loader(self, self.val_batches, self.seed + 1)
 
+    def setup(self, stage: str) -> None:
+        seed_for_rank(self)
+
     def teardown(self, stage: str) -> None:
         if self.engine is not None:
             self.engine.close()
 
     def state_dict(self) -> dict[str, Any]:
+        return gather_rank_states(self, self._local_state_dict())
+
+    def _local_state_dict(self) -> dict[str, Any]:
         return {
             "generator": self._generator.get_state(),
             "trainer_version": self.trainer_version,
@@ -186,6 +193,7 @@ class RolloutDataModule(pl.LightningDataModule):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state_dict = rank_state(self, state_dict)
         self._generator.set_state(state_dict["generator"])
         self.trainer_version = int(state_dict["trainer_version"])
         self.counters = dict(state_dict["counters"])
@@ -223,7 +231,7 @@ class RolloutDataModule(pl.LightningDataModule):
                 "RolloutDataModule needs a Trainer with a model to build its engine."
             )
         module = self.trainer.lightning_module
-        actor: nn.Module = module.actor
+        actor: nn.Module = unsharded_copy(module.actor)  # FSDP: gathered on every rank
         factory = self.engine_factory or EmbeddedEngine
         engine = factory(actor)
         if self.lag and not self._history:
@@ -286,6 +294,48 @@ class RolloutDataModule(pl.LightningDataModule):
             }
         )
         return batch
+
+
+def seed_for_rank(datamodule: Any) -> None:
+    """Give data-parallel rank r > 0 its own prompt stream, seeded ``seed + r`` (once).
+
+    Rank 0 keeps the stream of a single-process run; a resumed run then loads every rank's own
+    stream from the checkpoint (:func:`gather_rank_states`).
+    """
+    trainer = datamodule.trainer
+    if trainer is None or trainer.global_rank == 0 or getattr(datamodule, "_rank_seeded", False):
+        return
+    datamodule._generator.manual_seed(datamodule.seed + trainer.global_rank)
+    datamodule._rank_seeded = True
+
+
+def gather_rank_states(datamodule: Any, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` as is in a single process; with several ranks ``{"per_rank": [state of rank 0,
+    ...]}`` (a collective), because Lightning saves only rank 0's copy of the data module's state
+    and every rank has its own prompt stream, engine RNG and buffered samples."""
+    trainer = datamodule.trainer
+    if trainer is None or trainer.world_size == 1:
+        return state
+    per_rank: list[Any] = [None] * trainer.world_size
+    torch.distributed.all_gather_object(per_rank, state)
+    return {"per_rank": per_rank}
+
+
+def rank_state(datamodule: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
+    """This rank's part of a :func:`gather_rank_states` checkpoint.
+
+    Raises:
+        ValueError: when the checkpoint was written by a different number of ranks.
+    """
+    trainer = datamodule.trainer
+    world_size = 1 if trainer is None else trainer.world_size
+    per_rank = state_dict.get("per_rank", [state_dict])
+    if len(per_rank) != world_size:
+        raise ValueError(
+            f"the data module's checkpoint holds the state of {len(per_rank)} rank(s); expected "
+            f"{world_size} (resume with the world size that wrote it)."
+        )
+    return per_rank[0 if trainer is None else trainer.global_rank]
 
 
 def _cpu_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -1,0 +1,166 @@
+"""FSDP2 for the actor and the critic, applied from outside the models (torchtitan style).
+
+:func:`parallelize` shards every transformer block of a model with
+:func:`torch.distributed.fsdp.fully_shard`, then the root (embeddings, final norm, LM or value
+head), over the data-parallel dimension of a device mesh. Activation checkpointing, when asked for,
+wraps each block before it is sharded. Calling it again on a sharded model changes nothing, so
+Lightning's ``configure_model`` may run more than once.
+
+The rollout engines need plain, unsharded weights: :func:`full_state_dict` gathers a sharded model's
+weights on every rank (with the Hugging Face key names) and :func:`unsharded_copy` returns a model the
+engines can copy. Both are the identity on a model that is not sharded, so the data modules call them
+unconditionally.
+
+Simplified: only data parallelism (FSDP2's ZeRO-3 sharding, ``reshard_after_forward=True``); a mesh
+with a tensor-parallel dimension larger than 1 is refused rather than silently used as replicas.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
+    CheckpointWrapper,
+    checkpoint_wrapper,
+)
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
+
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.policy import load_causal_lm
+
+#: Where Hugging Face decoder-only models keep their blocks: ``model.layers`` (Llama, Qwen2, Mistral,
+#: Gemma, ...) on the causal LM's base model, ``h`` (GPT-2, Falcon) or ``layers``.
+BLOCK_LISTS = ("layers", "h", "blocks", "decoder.layers")
+
+
+def transformer_blocks(model: nn.Module) -> nn.ModuleList:
+    """The list of transformer blocks of a causal LM, a base model or a :class:`ValueModel`.
+
+    Raises:
+        ValueError: when none of :data:`BLOCK_LISTS` is a ``ModuleList`` of the base model.
+    """
+    base = model.backbone if isinstance(model, ValueModel) else model
+    base = getattr(base, "base_model", base)
+    for path in BLOCK_LISTS:
+        found: object = base
+        for name in path.split("."):
+            found = getattr(found, name, None)
+        if isinstance(found, nn.ModuleList) and len(found):
+            return found
+    raise ValueError(
+        f"parallelize found no transformer blocks in {type(model).__name__} (looked for "
+        f"{', '.join(BLOCK_LISTS)} on its base model {type(base).__name__}); expected a "
+        "Hugging Face decoder-only model."
+    )
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D data-parallel mesh of Lightning's ``ModelParallelStrategy`` mesh (or ``mesh`` itself).
+
+    Raises:
+        ValueError: when the mesh has a tensor-parallel dimension of size > 1.
+    """
+    names = mesh.mesh_dim_names or ()
+    if mesh.ndim == 1:
+        return mesh
+    if "tensor_parallel" in names and mesh["tensor_parallel"].size() > 1:
+        raise ValueError(
+            f"parallelize got a device mesh with tensor_parallel size "
+            f"{mesh['tensor_parallel'].size()}; expected 1 (set ModelParallelStrategy("
+            "tensor_parallel_size=1); only FSDP data parallelism is implemented)."
+        )
+    if "data_parallel" not in names:
+        raise ValueError(
+            f"parallelize got a {mesh.ndim}-D device mesh with dims {names}; expected a "
+            "'data_parallel' dimension."
+        )
+    return mesh["data_parallel"]
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    activation_checkpointing: bool = False,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Shard ``model`` in place with FSDP2: each transformer block, then the root.
+
+    Args:
+        model: a Hugging Face causal LM (the actor) or a :class:`ValueModel` (the critic).
+        mesh: the device mesh (``LightningModule.device_mesh``); its ``data_parallel`` dimension is
+            used when it is 2-D.
+        activation_checkpointing: recompute each block's activations in the backward pass
+            (``checkpoint_wrapper``, applied before sharding); saves memory, costs one more forward.
+        param_dtype: FSDP2 mixed precision: the dtype parameters are all-gathered and computed in
+            (e.g. ``torch.bfloat16``); None keeps the parameters' dtype.
+        reduce_dtype: dtype of the gradient reduce-scatter (e.g. ``torch.float32``); None = the
+            ``param_dtype``.
+
+    Returns:
+        ``model`` itself; a model that is already an ``FSDPModule`` is returned unchanged.
+    """
+    if isinstance(model, FSDPModule):
+        return model
+    dp_mesh = data_parallel_mesh(mesh)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    blocks = transformer_blocks(model)
+    for index, block in enumerate(blocks):
+        if activation_checkpointing and not isinstance(block, CheckpointWrapper):
+            # preserve_rng_state=False: the blocks have no dropout in training (HF default 0.0).
+            block = checkpoint_wrapper(block, preserve_rng_state=False)
+            blocks[index] = block
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+    return model
+
+
+def is_sharded(model: nn.Module) -> bool:
+    """Whether ``model`` (or one of its submodules) was sharded with FSDP2."""
+    return any(isinstance(module, FSDPModule) for module in model.modules())
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model.state_dict()`` with every sharded tensor gathered: full, detached CPU tensors.
+
+    Keys are the model's own (Hugging Face) names: FSDP2 adds no prefix and the checkpoint wrapper
+    removes its ``_checkpoint_wrapped_module.``. On a sharded model this is a collective: every rank
+    must call it, in the same order; each rank gets the full weights (the engines of all ranks need
+    them), gathered one tensor at a time.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in model.state_dict().items():
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()
+        out[name] = tensor.detach().to("cpu", copy=True)
+    return out
+
+
+def unsharded_copy(model: nn.Module) -> nn.Module:
+    """A model the rollout engines can deep-copy: ``model`` itself when it is not sharded, else a
+    fresh model built from its config holding :func:`full_state_dict` (a collective), on the
+    device of this rank's shards (so a GPU rank's engine generates on its GPU).
+
+    Raises:
+        ValueError: when a sharded model is not a Hugging Face ``PreTrainedModel``.
+    """
+    if not is_sharded(model):
+        return model
+    if not isinstance(model, PreTrainedModel):
+        raise ValueError(
+            f"unsharded_copy got a sharded {type(model).__name__}; expected a transformers "
+            "PreTrainedModel (it is rebuilt from its config)."
+        )
+    device = next(model.parameters()).device  # a DTensor reports its local device
+    weights = full_state_dict(model)
+    config = copy.deepcopy(model.config)
+    dtype = next(iter(weights.values())).dtype
+    plain = load_causal_lm(config, dtype=dtype, seed=0)
+    plain.load_state_dict(weights, strict=True)
+    return plain.to(device).eval()

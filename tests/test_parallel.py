@@ -1,0 +1,350 @@
+"""FSDP2 (``models/parallelize.py``) and data parallelism (DDP / ``ModelParallelStrategy``).
+
+Unit tests run in this process on a 1-rank gloo group. The slow tests launch 2-process gloo runs
+on CPU as subprocesses (``tests/parallel_driver.py``; Lightning starts the second rank) and check
+that the ranks agree, that 2 ranks × 4 rows give the update of 1 process × 8 rows, and that a
+sharded checkpoint resumes to the same weights as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule
+
+from brace_lightning.data import RolloutDataModule
+from brace_lightning.data.sync import gather_rank_states, rank_state
+from brace_lightning.models import ValueModel, build_char_tokenizer, load_actor
+from brace_lightning.models.parallelize import (
+    data_parallel_mesh,
+    full_state_dict,
+    is_sharded,
+    parallelize,
+    transformer_blocks,
+    unsharded_copy,
+)
+from brace_lightning.module import BraceModule, combine_rank_metrics
+from brace_lightning.objectives import PPOEWMA
+from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
+
+ROOT = Path(__file__).resolve().parents[1]
+DRIVER = ROOT / "tests" / "parallel_driver.py"
+CONFIGS = ROOT / "configs"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    """A (data_parallel=1, tensor_parallel=1) CPU mesh over a 1-rank gloo group, as Lightning's."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
+    finally:
+        dist.destroy_process_group()
+
+
+def tiny_actor(layers: int = 2) -> nn.Module:
+    return load_actor(
+        "tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=layers
+    )
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 100, (2, 7), generator=torch.Generator().manual_seed(0))
+    return ids, torch.ones_like(ids)
+
+
+def test_parallelize_shards_every_block_then_the_root_and_is_idempotent(mesh: DeviceMesh) -> None:
+    actor = tiny_actor()
+    reference = {k: v.clone() for k, v in actor.state_dict().items()}
+    critic = ValueModel.from_actor(actor)
+    for model in (actor, critic):
+        assert not is_sharded(model)
+        assert parallelize(model, mesh) is model
+        blocks = list(transformer_blocks(model))
+        assert len(blocks) == 2 and all(isinstance(b, FSDPModule) for b in blocks)
+        assert isinstance(model, FSDPModule)
+        parallelize(model, mesh, activation_checkpointing=True)  # second call: no change
+        assert list(transformer_blocks(model)) == blocks
+        assert not any(isinstance(m, CheckpointWrapper) for m in model.modules())
+        assert sum(isinstance(m, FSDPModule) for m in model.modules()) == 3
+    gathered = full_state_dict(actor)
+    assert list(gathered) == list(reference)
+    assert all(torch.equal(gathered[k], reference[k]) for k in reference)
+    assert all(v.device.type == "cpu" and not hasattr(v, "placements") for v in gathered.values())
+
+
+def test_activation_checkpointing_wraps_blocks_keeps_names_and_gradients(mesh: DeviceMesh) -> None:
+    plain, checkpointed = tiny_actor(), tiny_actor()
+    parallelize(plain, mesh)
+    parallelize(checkpointed, mesh, activation_checkpointing=True)
+    assert all(isinstance(b, CheckpointWrapper) for b in transformer_blocks(checkpointed))
+    assert not any(isinstance(b, CheckpointWrapper) for b in transformer_blocks(plain))
+    assert list(full_state_dict(checkpointed)) == list(full_state_dict(plain))
+    ids, attn = _inputs()
+    for model in (plain, checkpointed):
+        model(input_ids=ids, attention_mask=attn).logits.square().mean().backward()
+    for (name, a), (_, b) in zip(
+        plain.named_parameters(), checkpointed.named_parameters(), strict=True
+    ):
+        assert torch.allclose(a.grad.full_tensor(), b.grad.full_tensor(), atol=1e-6), name
+
+
+def test_mixed_precision_policy_sets_the_compute_dtype(mesh: DeviceMesh) -> None:
+    ids, attn = _inputs()
+    full, half = tiny_actor(1), tiny_actor(1)
+    parallelize(full, mesh)
+    parallelize(half, mesh, param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    assert full(input_ids=ids, attention_mask=attn).logits.dtype == torch.float32
+    assert half(input_ids=ids, attention_mask=attn).logits.dtype == torch.bfloat16
+
+
+def test_unsharded_copy_is_a_plain_model_with_the_same_outputs(mesh: DeviceMesh) -> None:
+    actor = tiny_actor()
+    assert unsharded_copy(actor) is actor  # nothing to gather: the engines copy it themselves
+    ids, attn = _inputs()
+    with torch.no_grad():
+        expected = actor(input_ids=ids, attention_mask=attn).logits
+    parallelize(actor, mesh, activation_checkpointing=True)
+    copy = unsharded_copy(actor)
+    assert not is_sharded(copy) and type(copy).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        assert torch.allclose(copy(input_ids=ids, attention_mask=attn).logits, expected, atol=1e-6)
+
+
+def test_data_parallel_mesh_picks_the_data_parallel_dimension(mesh: DeviceMesh) -> None:
+    dp = data_parallel_mesh(mesh)
+    assert dp.ndim == 1 and dp.mesh_dim_names == ("data_parallel",)
+    assert data_parallel_mesh(dp) is dp
+
+
+def test_unknown_architecture_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="no transformer blocks in Sequential"):
+        transformer_blocks(nn.Sequential(nn.Linear(2, 2)))
+
+
+def _attach(module: BraceModule, strategy: Any) -> None:
+    module._trainer = SimpleNamespace(strategy=strategy)  # type: ignore[assignment]
+
+
+def test_configure_model_only_shards_under_model_parallel_strategy() -> None:
+    module = BraceModule(tiny_hidden_size=64, tiny_num_layers=1)
+    module.configure_model()  # no trainer: nothing to do
+    _attach(module, SimpleNamespace())
+    module.configure_model()  # DDP / single device: nothing to do
+    assert not is_sharded(module.actor) and not is_sharded(module.critic)
+    checkpointing = BraceModule(
+        tiny_hidden_size=64, tiny_num_layers=1, activation_checkpointing=True
+    )
+    _attach(checkpointing, SimpleNamespace())
+    with pytest.raises(ValueError, match="activation_checkpointing=True needs"):
+        checkpointing.configure_model()
+
+
+def test_ewma_actor_with_fsdp_is_a_clear_error() -> None:
+    module = BraceModule(
+        tiny_hidden_size=64, tiny_num_layers=1, actor_objective=PPOEWMA(ewma_decay=0.9)
+    )
+    _attach(module, ModelParallelStrategy())
+    with pytest.raises(ValueError, match="ewma_decay is not supported with ModelParallelStrategy"):
+        module.configure_model()
+
+
+def test_combine_rank_metrics_sums_counts_maxes_maxima_and_averages_the_rest() -> None:
+    combined = combine_rank_metrics(
+        [
+            {"rollout/reward": 0.0, "weights/w_max": 2.0, "data/count/generated": 8.0, "a": 1.0},
+            {"rollout/reward": 1.0, "weights/w_max": 3.0, "data/count/generated": 8.0},
+        ]
+    )
+    assert combined == {
+        "a": 1.0,
+        "data/count/generated": 16.0,
+        "rollout/reward": 0.5,
+        "weights/w_max": 3.0,
+    }
+
+
+def test_data_module_state_is_kept_per_rank() -> None:
+    data = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward())
+    state = data.state_dict()
+    assert "per_rank" not in state  # a single process keeps the old layout
+    two = SimpleNamespace(trainer=SimpleNamespace(world_size=2, global_rank=1))
+    assert rank_state(two, {"per_rank": [{"r": 0}, {"r": 1}]}) == {"r": 1}
+    with pytest.raises(ValueError, match="holds the state of 1 rank"):
+        rank_state(two, state)
+    assert gather_rank_states(SimpleNamespace(trainer=None), state) is state
+
+
+# ---------------------------------------------------------------------- multi-process runs
+
+
+def _driver(out: Path, *args: str) -> list[dict[str, Any]]:
+    """Run the driver (it launches its own second rank); return every rank's report."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+    }
+    env.pop("MASTER_PORT", None)
+    done = subprocess.run(
+        [sys.executable, str(DRIVER), *args[:1], "--out", str(out), *args[1:]],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+
+
+def _weights(out: Path) -> dict[str, dict[str, torch.Tensor]]:
+    return torch.load(out / "weights.pt", weights_only=True)
+
+
+def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b)
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def _assert_ranks_agree(reports: list[dict[str, Any]]) -> None:
+    assert [r["rank"] for r in reports] == [0, 1] and {r["world_size"] for r in reports} == {2}
+    first, second = reports
+    assert first["checksum"] == second["checksum"]
+    assert first["policy_version"] == second["policy_version"]
+    assert first["metrics"] == second["metrics"]  # combined over ranks before logging
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("single")
+    _driver(out, "fixed", "--steps", "2")
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
+    strategy: str, single_run: Path, tmp_path: Path
+) -> None:
+    reports = _driver(tmp_path, "fixed", "--strategy", strategy, "--devices", "2", "--steps", "2")
+    _assert_ranks_agree(reports)
+    assert reports[0]["sharded"] is (strategy == "fsdp")
+    assert reports[0]["published"] == [1, 2]  # full, unsharded weights after every step
+    single, initial = _weights(single_run), BraceModule(tiny_hidden_size=64, tiny_num_layers=2)
+    parallel = _weights(tmp_path)
+    for name in ("actor", "critic"):
+        start = {k: v.detach() for k, v in getattr(initial, name).state_dict().items()}
+        moved = _max_diff(single[name], start)
+        assert moved > 1e-2, f"{name} barely trained ({moved})"
+        assert _max_diff(parallel[name], single[name]) < 1e-5
+    expected = json.loads((single_run / "rank0.json").read_text())["metrics"]
+    for got, want in zip(reports[0]["metrics"], expected, strict=True):
+        for key in ("critic/loss", "actor/grad_norm", "critic/grad_norm", "actor/ratio_mean"):
+            assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path: Path) -> None:
+    straight, first, resumed = tmp_path / "straight", tmp_path / "first", tmp_path / "resumed"
+    common = ("--strategy", "fsdp", "--devices", "2", "--steps", "3")
+    # Activation checkpointing recomputes the same float ops: it must not change the weights.
+    _assert_ranks_agree(_driver(straight, "fixed", *common, "--activation-checkpointing"))
+    _driver(first, "fixed", *common, "--stop-after", "2")
+    checkpoint = first / "ckpt"
+    assert checkpoint.is_dir() and len(list(checkpoint.glob("*.distcp"))) == 2  # one per rank
+    reports = _driver(resumed, "fixed", *common, "--resume", str(checkpoint))
+    _assert_ranks_agree(reports)
+    assert reports[0]["rollout_step"] == 3 and reports[0]["published"] == [3]
+    for name in ("actor", "critic"):
+        assert _max_diff(_weights(resumed)[name], _weights(straight)[name]) == 0.0
+
+
+def _cli(root: Path, *overlays: str, steps: int = 3) -> list[str]:
+    """Driver arguments of a small CLI run of the quickstart plus ``overlays``; Lightning writes
+    its config and checkpoints under ``root``."""
+    args = ["cli", "--", "fit", "--config", str(CONFIGS / "quickstart.yaml")]
+    for overlay in overlays:
+        args += ["--config", str(CONFIGS / overlay)]
+    return [
+        *args,
+        "--trainer.callbacks=[]",
+        f"--trainer.default_root_dir={root}",
+        f"--trainer.limit_train_batches={steps}",
+        "--trainer.logger=false",
+        "--trainer.enable_progress_bar=false",
+        "--model.tiny_hidden_size=64",
+        "--model.tiny_num_layers=1",
+        "--model.critic_warmup_steps=0",
+        "--data.prompts_per_step=2",
+        "--data.samples_per_prompt=2",
+        "--data.engine.init_args.max_new_tokens=8",
+    ]
+
+
+@pytest.mark.slow
+def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_checkpoint(
+    tmp_path: Path,
+) -> None:
+    recipe = "fsdp/cpu_2proc.yaml"
+    straight = _driver(tmp_path / "straight", *_cli(tmp_path, recipe))
+    _assert_ranks_agree(straight)
+    assert straight[0]["sharded"] and straight[0]["policy_version"] == 3
+    assert straight[0]["prompt_stream"] != straight[1]["prompt_stream"]
+    assert straight[0]["counters"]["trained"] == 3 * 2 * 2  # per rank
+    ckpt = tmp_path / "ckpt"
+    _driver(
+        tmp_path / "first",
+        *_cli(tmp_path, recipe),
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={ckpt}",
+        "--trainer.callbacks.save_top_k=-1",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.max_steps=1",  # stops (and saves) after the first rollout step
+    )
+    (checkpoint,) = ckpt.iterdir()
+    assert checkpoint.is_dir()  # a sharded checkpoint is a folder
+    resumed = _driver(
+        tmp_path / "resumed",
+        *_cli(tmp_path, recipe),
+        f"--ckpt_path={checkpoint}",
+    )
+    for got, want in zip(resumed, straight, strict=True):
+        assert got["checksum"] == want["checksum"]  # every rank's prompts, engine RNG, weights
+        assert got["prompt_stream"] == want["prompt_stream"]
+        assert got["counters"] == want["counters"]
+
+
+@pytest.mark.slow
+def test_ddp_recipe_ranks_agree(tmp_path: Path) -> None:
+    reports = _driver(
+        tmp_path / "run",
+        *_cli(tmp_path, "ddp/cpu_2proc.yaml", steps=2),
+    )
+    _assert_ranks_agree(reports)
+    assert not reports[0]["sharded"] and reports[0]["policy_version"] == 2
+    assert reports[0]["prompt_stream"] != reports[1]["prompt_stream"]
