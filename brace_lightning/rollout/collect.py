@@ -175,7 +175,9 @@ def _pad(
             else torch.tensor(out.action_mask[i], dtype=torch.bool)
         )
         mask[row, prompt_width:end] = actions
-        behavior_logprobs[row, prompt_width:end] = torch.where(actions, torch.tensor(out.logprobs[i]), 0.0)
+        behavior_logprobs[row, prompt_width:end] = torch.where(
+            actions, torch.tensor(out.logprobs[i]), 0.0
+        )
         versions[row, prompt_width:end] = torch.where(
             actions, torch.tensor(out.versions[i], dtype=torch.long), -1
         )

@@ -12,8 +12,8 @@ processes (vLLM) produce them without a tensor round trip; ``rollout/collect.py`
 
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
 import inspect
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -62,7 +62,9 @@ class GenerationOutput:
                     "like response_ids."
                 )
         per_token = ["logprobs", "versions"]
-        per_token += [name for name in ("entropy", "action_mask") if getattr(self, name) is not None]
+        per_token += [
+            name for name in ("entropy", "action_mask") if getattr(self, name) is not None
+        ]
         for name in ("entropy", "action_mask"):
             if getattr(self, name) is not None and len(getattr(self, name)) != n:
                 raise ValueError(

@@ -35,7 +35,12 @@ from dataclasses import dataclass, field
 import torch
 from transformers import PreTrainedTokenizerBase
 
-from brace_lightning.rollout.collect import encode_prompts, padding_id, score_and_pad
+from brace_lightning.rollout.collect import (
+    collect_rollouts,
+    encode_prompts,
+    padding_id,
+    score_and_pad,
+)
 from brace_lightning.rollout.engine import (
     FinishReason,
     GenerationOutput,
@@ -43,7 +48,7 @@ from brace_lightning.rollout.engine import (
     accepts_extra_stops,
 )
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.tasks.base import Prompt
+from brace_lightning.tasks.base import Prompt, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
 
@@ -83,7 +88,9 @@ def stop_token_ids(tokenizer: PreTrainedTokenizerBase, stop_strings: Sequence[st
     for text in stop_strings:
         encoded = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         if not encoded:
-            raise ValueError(f"stop string {text!r} tokenizes to nothing; expected a non-empty one.")
+            raise ValueError(
+                f"stop string {text!r} tokenizes to nothing; expected a non-empty one."
+            )
         if encoded[-1] not in ids:
             ids.append(encoded[-1])
     return ids
@@ -234,3 +241,41 @@ def _answer_call(
     episode.add(ids, [0.0] * len(ids), [-1] * len(ids), [0.0] * len(ids), action=False)
     episode.turn_start = len(episode.tokens)
     episode.turns += 1
+
+
+def collect_batch(
+    engine: RolloutEngine,
+    prompts: Sequence[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    reward: RewardFunction | None,
+    env: ToolEnvironment | None,
+    num_samples: int = 1,
+    group_id_offset: int = 0,
+) -> RolloutBatch:
+    """One rollout batch: multi-turn episodes in ``env`` when it is set (scored by its verifier),
+    else single-turn responses scored by ``reward`` (:func:`collect_rollouts`)."""
+    if env is not None:
+        return collect_episodes(
+            engine,
+            prompts,
+            tokenizer,
+            env,
+            num_samples=num_samples,
+            group_id_offset=group_id_offset,
+        )
+    assert reward is not None, "the data modules check that reward or env is set"
+    return collect_rollouts(
+        engine, prompts, tokenizer, reward, num_samples=num_samples, group_id_offset=group_id_offset
+    )
+
+
+def check_reward_or_env(reward: RewardFunction | None, env: ToolEnvironment | None) -> None:
+    """ValueError unless exactly one of ``reward`` (single-turn) and ``env`` (multi-turn) is set."""
+    if env is None and reward is None:
+        raise ValueError("reward must be a RewardFunction when env is None; got None.")
+    if env is not None and reward is not None:
+        raise ValueError(
+            f"reward must be None when env is set (the environment's own verifier scores its "
+            f"episodes); got reward={type(reward).__name__} with env={type(env).__name__}."
+        )

@@ -262,8 +262,10 @@ class RetrievalEnv(ToolEnvironment):
         hits = self.index.search(query, self.top_k)
         if not hits:
             return "<info>no results</info>"
-        return "<info>" + "\n".join(f"{t}: {x}" for t, x in (self.passages[i] for i in hits)) + (
-            "</info>"
+        return (
+            "<info>"
+            + "\n".join(f"{t}: {x}" for t, x in (self.passages[i] for i in hits))
+            + ("</info>")
         )
 
     @staticmethod
