@@ -197,9 +197,10 @@ def collect_episodes(
                 _answer_call(episode, prompts[episode.prompt_index], tokenizer, env)
             elif len(episode.tokens) >= budget or finish == "length":
                 episode.finish = "length"
-            elif not (kwargs and segment[-1] in extra and segment[-1] != eos_id):
+            elif finish == "stop" and segment[-1] in extra and segment[-1] != eos_id:
+                pass  # stopped at the last token of a closing string that is not complete yet
+            else:
                 episode.finish = "stop"  # the engine's own stop (eos)
-            # else: stopped at the last token of a closing string that is not complete yet
     generated = GenerationOutput(
         prompt_ids=[e.prompt_ids for e in episodes],
         response_ids=[e.tokens for e in episodes],
