@@ -503,6 +503,33 @@ def test_embedded_engine_episodes_keep_the_batch_invariants(actor, tokenizer, en
     assert (logprobs - batch.behavior_logprobs)[batch.mask].abs().max() < 1e-4
 
 
+def test_embedded_engine_extra_stop_token_ids_end_responses_for_one_call(actor):
+    stops = list(range(40, 70))
+    engine = EmbeddedEngine(actor, max_new_tokens=24, seed=1)
+    prompts = [[5, 6, 7], [8, 9]]
+    out = engine.generate(prompts, num_samples=4, extra_stop_token_ids=stops)
+    for response, reason in zip(out.response_ids, out.finish_reason, strict=True):
+        assert all(t not in stops for t in response[:-1])
+        assert (reason == "stop") == (response[-1] in stops or response[-1] == 1)
+    assert sum(r[-1] in stops for r in out.response_ids) >= 4
+    plain = EmbeddedEngine(actor, max_new_tokens=24, seed=1).generate(prompts, num_samples=4)
+    assert max(map(len, plain.response_ids)) > max(map(len, out.response_ids))  # per call only
+    assert engine.stop_token_ids == [1]
+    with pytest.raises(ValueError, match="extra_stop_token_ids containing 100"):
+        engine.generate(prompts, extra_stop_token_ids=[100])
+
+
+def test_producer_engine_wrapper_forwards_extra_stops(tokenizer):
+    from brace_lightning.rollout.workers import _HookedEngine
+
+    script = {"a": ["x" + EOS]}
+    new, old = ScriptedEngine(tokenizer, script), OldScriptedEngine(tokenizer, script)
+    context = [tokenizer("a")["input_ids"]]
+    _HookedEngine(new, lambda: None).generate(context, extra_stop_token_ids=[7])
+    _HookedEngine(old, lambda: None).generate(context, extra_stop_token_ids=[7])
+    assert new.extra_stops == [[7]] and old.extra_stops == [[]]
+
+
 # ---------------------------------------------------------------- value targets see holes
 
 
@@ -560,12 +587,13 @@ CALCULATOR = ["--config", str(CONFIGS / "tasks" / "calculator.yaml")]
 
 @pytest.mark.slow
 def test_cli_fit_with_the_calculator_recipe(tmp_path):
-    cli = run(small_run(tmp_path, *CALCULATOR))
+    cli = run(small_run(tmp_path, *CALCULATOR, "--data.val_batches=1"))
     assert isinstance(cli.datamodule.env, CalculatorEnv) and cli.datamodule.reward is None
     assert cli.model.rollout_step == 2
     scalars = read_scalars(cli.trainer.logger.log_dir)
     for name in ("data/mean_tool_calls", "critic/loss", "actor/loss", "rollout/reward"):
         assert [step for step, _ in scalars[name]] == [1, 2], name
+    assert [step for step, _ in scalars["val/reward"]] == [2]  # validation runs episodes too
 
 
 @pytest.mark.slow

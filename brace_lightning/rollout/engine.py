@@ -85,11 +85,6 @@ class GenerationOutput:
         return len(self.response_ids)
 
 
-def accepts_extra_stops(engine: RolloutEngine) -> bool:
-    """Whether ``engine.generate`` takes the ``extra_stop_token_ids`` keyword."""
-    return "extra_stop_token_ids" in inspect.signature(engine.generate).parameters
-
-
 class RolloutEngine(ABC):
     """Base class of rollout engines (embedded torch engine, vLLM engine)."""
 
@@ -138,3 +133,8 @@ class RolloutEngine(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless default
         """Restore what :meth:`state_dict` returned."""
+
+
+def accepts_extra_stops(engine: RolloutEngine) -> bool:
+    """Whether ``engine.generate`` takes the ``extra_stop_token_ids`` keyword."""
+    return "extra_stop_token_ids" in inspect.signature(engine.generate).parameters

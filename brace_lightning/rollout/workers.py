@@ -2,7 +2,8 @@
 
 A producer owns one engine and serves *requests* (prompts of one rollout batch) with whatever weights
 the trainer has sent it, scoring completions with the reward function and padding them
-(:func:`~brace_lightning.rollout.collect.collect_rollouts`). The trainer's side is a
+(:func:`~brace_lightning.rollout.collect.collect_rollouts`, or the multi-turn episodes of
+:func:`~brace_lightning.rollout.multiturn.collect_episodes` when the spec has an environment). The trainer's side is a
 :class:`ProducerHandle`; the admission rule that bounds staleness lives with the trainer (see
 ``rollout/buffer.py``): a producer never decides what to generate.
 
@@ -176,7 +177,8 @@ class _Stop(Exception):
 
 
 class _HookedEngine(RolloutEngine):
-    """Passes ``on_step`` to an engine that accepts it, so ``collect_rollouts`` needs no hook."""
+    """Passes ``on_step`` (and ``extra_stop_token_ids``) to an engine that accepts it, so
+    ``collect_rollouts`` and ``collect_episodes`` need no hook."""
 
     def __init__(self, engine: RolloutEngine, on_step: Callable[[], None]) -> None:
         self.engine = engine
@@ -412,14 +414,14 @@ class ProducerHandle:
         """Start a producer process (spawn context) that builds its engine from ``model_config``.
 
         Raises:
-            ValueError: when ``spec`` (engine factory, reward) cannot be pickled.
+            ValueError: when ``spec`` (engine factory, reward, environment) cannot be pickled.
         """
         try:
             _NoModulePickler(io.BytesIO()).dump((spec, model_config))
         except Exception as error:
             raise ValueError(
-                f"producer='process' sends the engine factory and the reward to a new process, but "
-                f"they cannot be pickled without the model ({error}); expected picklable objects "
+                f"producer='process' sends the engine factory, the reward and the environment to a "
+                f"new process, but they cannot be pickled without the model ({error}); expected picklable objects "
                 "that hold no torch module, or use producer='thread'."
             ) from error
         context = mp.get_context("spawn")
