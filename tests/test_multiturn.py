@@ -143,6 +143,28 @@ def test_calculator_verifier_reads_the_policy_answer_only():
         CalculatorEnv(max_response_tokens=0)
 
 
+def test_arithmetic_tool_solutions_are_what_the_calculator_answers():
+    env = CalculatorEnv()
+    task = ArithmeticTask(num_operands=(2, 4), max_value=30, ops="+-*", tool_calls=True)
+    for text, completion in task.supervised_pairs(30):
+        prompt = Prompt(text, "")
+        calls = completion.split("</calc>")[:-1]
+        transcript = ""
+        for call, rest in zip(calls, completion.split("</calc>")[1:], strict=True):
+            transcript += call.split("</result>")[-1] + "</calc>"
+            observation = env.observe(prompt, transcript)
+            assert rest.startswith(observation)
+            transcript += observation
+    pairs = task.supervised_pairs(5)
+    plain = ArithmeticTask(num_operands=(2, 4), max_value=30, ops="+-*").supervised_pairs(5)
+    assert [p for p, _ in pairs] == [p for p, _ in plain]  # same prompts, other solutions
+    assert all("<calc>" in c for _, c in pairs) and not any("<calc>" in c for _, c in plain)
+    reference = ArithmeticTask(tool_calls=True).sample(1, torch.Generator().manual_seed(0))[0]
+    assert env(reference, ArithmeticTask.tool_solution(reference)) == 1.0
+    with pytest.raises(ValueError, match="tool_calls must be a bool; got 1"):
+        ArithmeticTask(tool_calls=1)
+
+
 # ---------------------------------------------------------------- BM25 retrieval
 
 
