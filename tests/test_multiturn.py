@@ -493,6 +493,20 @@ class LetterEnv(ToolEnvironment):
         return float(len(completion) % 2)
 
 
+class EssEnv(LetterEnv):
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return ("s",)
+
+
+def test_special_tokens_never_complete_a_tool_call(tokenizer):
+    # The eos token's text "<eos>" contains "s", but eos is not text: the episode just ends.
+    batch = collect_episodes(
+        ScriptedEngine(tokenizer, {"q": ["ab" + EOS]}), [Prompt("q", "")], tokenizer, EssEnv()
+    )
+    assert batch.mask[0, 1:].all() and batch.info["mean_tool_calls"] == 0.0
+
+
 @pytest.fixture(scope="module")
 def actor(tokenizer):
     return load_actor("tiny-char", tokenizer=tokenizer, hidden_size=64, num_layers=1, seed=0)

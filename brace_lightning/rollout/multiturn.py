@@ -103,10 +103,11 @@ def _cut_at_stop(
     stop_strings: Sequence[str],
 ) -> int | None:
     """Length of the shortest prefix of ``segment`` after which ``turn + prefix`` decodes to text
-    containing a stop string, or None when the whole segment does not."""
+    containing a stop string, or None when the whole segment does not (special tokens such as eos
+    are not text: they never complete a stop string)."""
 
     def done(n: int) -> bool:
-        text = tokenizer.decode(turn + segment[:n], skip_special_tokens=False)
+        text = tokenizer.decode(turn + segment[:n], skip_special_tokens=True)
         return any(stop in text for stop in stop_strings)
 
     if not done(len(segment)):
