@@ -95,16 +95,24 @@ def vllm_rows(small: bool, device: str) -> list[tuple[str, str]]:
         sync = time.perf_counter() - start
         after = engine.generate(prompts[:8], num_samples=2)
         gap_after = _gap(other, after, device)
-        versions_ok = all(v == [1] * len(t) for v, t in zip(after.versions, after.response_ids, strict=True))
+        versions_ok = all(
+            v == [1] * len(t) for v, t in zip(after.versions, after.response_ids, strict=True)
+        )
     finally:
         engine.close()
     params = sum(p.numel() for p in actor.parameters())
     return [
         ("model", f"Qwen2 {params / 1e6:.0f}M parameters, float32"),
-        ("vLLM generation", f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s"),
+        (
+            "vLLM generation",
+            f"{tokens} tokens in {seconds:.2f} s = {tokens / seconds:,.0f} tokens/s",
+        ),
         ("vLLM max abs log mu - log pi", f"{gap:.2e}"),
         ("vLLM weight sync (update_weights)", f"{sync * 1000:.0f} ms"),
-        ("after sync: max abs log mu - log pi", f"{gap_after:.2e}; versions {'ok' if versions_ok else 'WRONG'}"),
+        (
+            "after sync: max abs log mu - log pi",
+            f"{gap_after:.2e}; versions {'ok' if versions_ok else 'WRONG'}",
+        ),
     ]
 
 

@@ -70,6 +70,7 @@ from brace_lightning.data.sync import (
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import full_state_dict, is_sharded, unsharded_copy
 from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
+from brace_lightning.rollout.multiturn import check_reward_or_env
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.rollout.workers import (
     ProducerHandle,
@@ -80,6 +81,7 @@ from brace_lightning.rollout.workers import (
     portable_factory,
 )
 from brace_lightning.tasks.base import PromptSource, RewardFunction
+from brace_lightning.tasks.env import ToolEnvironment
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +100,12 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
     Args:
         task: where prompts come from (e.g. ``brace_lightning.tasks.ArithmeticTask``); prompts are
             drawn in the training process, so a resumed run draws the same ones.
-        reward: the verifier (e.g. ``brace_lightning.tasks.ArithmeticReward``); runs in the producer.
+        reward: the verifier of single-turn responses (e.g.
+            ``brace_lightning.tasks.ArithmeticReward``); runs in the producer. Must be None when
+            ``env`` is set.
+        env: a multi-turn tool environment (e.g. ``brace_lightning.tasks.CalculatorEnv``), run in
+            the producer (so picklable for ``producer: process``): batches are then episodes of
+            ``rollout.multiturn.collect_episodes`` scored by its verifier; None = single-turn.
         tokenizer: tokenizer source: ``"tiny-char"``, a local path or a hub name. Linked to
             ``model.actor`` by the CLI.
         engine: builds the rollout engine from an actor-shaped model (``class_path`` of an engine
@@ -128,7 +135,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self,
         *,
         task: PromptSource,
-        reward: RewardFunction,
+        reward: RewardFunction | None = None,
+        env: ToolEnvironment | None = None,
         tokenizer: str = "tiny-char",
         engine: EngineFactory | None = None,
         prompts_per_step: int = 16,
@@ -164,8 +172,10 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             )
         if isinstance(producer_timeout, bool) or not producer_timeout > 0:
             raise ValueError(f"producer_timeout must be > 0 seconds; got {producer_timeout!r}.")
+        check_reward_or_env(reward, env)
         self.task = task
         self.reward = reward
+        self.env = env
         self.tokenizer_source = tokenizer
         self.engine_factory = engine
         self.prompts_per_step = prompts_per_step
@@ -274,6 +284,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             engine_factory=portable_factory(self.engine_factory),
             tokenizer=self.tokenizer_source,
             reward=self.reward,
+            env=self.env,
             samples_per_prompt=self.samples_per_prompt,
             exact_versions=self.lag_mode == "fixed",
             interruptible=self.interruptible,

@@ -27,11 +27,12 @@ from transformers import PreTrainedTokenizerBase
 from brace_lightning.checks import require_int
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import unsharded_copy
-from brace_lightning.rollout.collect import collect_rollouts
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
+from brace_lightning.rollout.multiturn import check_reward_or_env, collect_batch
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.tasks.base import PromptSource, RewardFunction
+from brace_lightning.tasks.env import ToolEnvironment
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 
@@ -70,11 +71,12 @@ class _ValidationRollouts(IterableDataset):
         try:
             for index in range(self.num_batches):
                 prompts = dm.task.sample(dm.prompts_per_step, generator)
-                yield collect_rollouts(
+                yield collect_batch(
                     engine,
                     prompts,
                     dm.tokenizer,
-                    dm.reward,
+                    reward=dm.reward,
+                    env=dm.env,
                     num_samples=dm.samples_per_prompt,
                     group_id_offset=index * len(prompts),
                 )
@@ -97,7 +99,11 @@ class RolloutDataModule(pl.LightningDataModule):
 
     Args:
         task: where prompts come from (e.g. ``brace_lightning.tasks.ArithmeticTask``).
-        reward: the verifier (e.g. ``brace_lightning.tasks.ArithmeticReward``).
+        reward: the verifier of single-turn responses (e.g.
+            ``brace_lightning.tasks.ArithmeticReward``); must be None when ``env`` is set.
+        env: a multi-turn tool environment (e.g. ``brace_lightning.tasks.CalculatorEnv``): batches
+            are then episodes of ``rollout.multiturn.collect_episodes`` (tool observations are not
+            actions), scored by the environment's verifier; None = single-turn rollouts.
         tokenizer: tokenizer source: ``"tiny-char"`` (built-in character tokenizer), a local path
             or a hub name. Linked to ``model.actor`` by the CLI.
         engine: builds the rollout engine from the actor (``class_path`` of an engine whose first
@@ -118,7 +124,8 @@ class RolloutDataModule(pl.LightningDataModule):
         self,
         *,
         task: PromptSource,
-        reward: RewardFunction,
+        reward: RewardFunction | None = None,
+        env: ToolEnvironment | None = None,
         tokenizer: str = "tiny-char",
         engine: EngineFactory | None = None,
         prompts_per_step: int = 16,
@@ -142,8 +149,10 @@ class RolloutDataModule(pl.LightningDataModule):
             raise ValueError(
                 f"max_staleness must be None or an integer >= lag={lag}; got {max_staleness!r}."
             )
+        check_reward_or_env(reward, env)
         self.task = task
         self.reward = reward
+        self.env = env
         self.tokenizer_source = tokenizer
         self.engine_factory = engine
         self.prompts_per_step = prompts_per_step
@@ -258,11 +267,12 @@ class RolloutDataModule(pl.LightningDataModule):
         """Generate, score and staleness-check one rollout batch."""
         engine = self._ensure_engine()
         prompts = self.task.sample(self.prompts_per_step, self._generator)
-        batch = collect_rollouts(
+        batch = collect_batch(
             engine,
             prompts,
             self.tokenizer,
-            self.reward,
+            reward=self.reward,
+            env=self.env,
             num_samples=self.samples_per_prompt,
             group_id_offset=self._next_group,
         )

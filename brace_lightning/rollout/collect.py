@@ -66,20 +66,43 @@ def collect_rollouts(
         )
     if not prompts:
         raise ValueError("collect_rollouts got no prompts; expected at least one.")
-    pad_id = (
-        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    )
-    if pad_id is None:
-        raise ValueError(
-            "collect_rollouts got a tokenizer with neither pad_token_id nor eos_token_id; expected one "
-            "of them for padding."
-        )
+    pad_id = padding_id(tokenizer, "collect_rollouts")
     out = engine.generate(encode_prompts(tokenizer, prompts), num_samples=num_samples)
     if len(out) != len(prompts) * num_samples:
         raise ValueError(
             f"collect_rollouts got {len(out)} samples from the engine; expected "
             f"{len(prompts) * num_samples} (prompts x num_samples)."
         )
+    return score_and_pad(out, prompts, tokenizer, reward_fn, pad_id, group_id_offset)
+
+
+def padding_id(tokenizer: PreTrainedTokenizerBase, caller: str) -> int:
+    """The tokenizer's ``pad_token_id``, else its ``eos_token_id``; ValueError when it has neither."""
+    pad_id = (
+        tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    )
+    if pad_id is None:
+        raise ValueError(
+            f"{caller} got a tokenizer with neither pad_token_id nor eos_token_id; expected one "
+            "of them for padding."
+        )
+    return pad_id
+
+
+def score_and_pad(
+    out: GenerationOutput,
+    prompts: Sequence[Prompt],
+    tokenizer: PreTrainedTokenizerBase,
+    reward_fn: RewardFunction,
+    pad_id: int,
+    group_id_offset: int,
+) -> RolloutBatch:
+    """Score every sample of ``out`` (dropping and counting reward errors) and pad the kept ones.
+
+    The reward function sees the decoded response (special tokens skipped; tool observations of a
+    multi-turn episode included). ``batch.info`` gets the counters listed in
+    :func:`collect_rollouts`; response lengths count every response token, observations included.
+    """
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     kept, scores, correct = [], [], []
     dropped = 0
@@ -125,7 +148,11 @@ def _pad(
     pad_id: int,
     group_id_offset: int,
 ) -> RolloutBatch:
-    """Lay the kept samples out as ``[B, T]`` tensors (prompts left-, responses right-padded)."""
+    """Lay the kept samples out as ``[B, T]`` tensors (prompts left-, responses right-padded).
+
+    With ``out.action_mask`` the response's environment tokens get ``mask`` False, behavior
+    log-prob 0, version -1 and entropy 0, and the reward sits on the row's last action token.
+    """
     prompt_width = max((len(out.prompt_ids[i]) for i in kept), default=0)
     response_width = max((len(out.response_ids[i]) for i in kept), default=0)
     b, t = len(kept), prompt_width + response_width
@@ -142,13 +169,23 @@ def _pad(
         input_ids[row, start:prompt_width] = torch.tensor(prompt, dtype=torch.long)
         input_ids[row, prompt_width:end] = torch.tensor(response, dtype=torch.long)
         attention_mask[row, start:end] = True
-        mask[row, prompt_width:end] = True
-        behavior_logprobs[row, prompt_width:end] = torch.tensor(out.logprobs[i])
-        versions[row, prompt_width:end] = torch.tensor(out.versions[i], dtype=torch.long)
+        actions = (
+            torch.ones(len(response), dtype=torch.bool)
+            if out.action_mask is None
+            else torch.tensor(out.action_mask[i], dtype=torch.bool)
+        )
+        mask[row, prompt_width:end] = actions
+        behavior_logprobs[row, prompt_width:end] = torch.where(
+            actions, torch.tensor(out.logprobs[i]), 0.0
+        )
+        versions[row, prompt_width:end] = torch.where(
+            actions, torch.tensor(out.versions[i], dtype=torch.long), -1
+        )
         if entropy is not None:
-            entropy[row, prompt_width:end] = torch.tensor(out.entropy[i])
-        if response:
-            rewards[row, end - 1] = scores[row]
+            entropy[row, prompt_width:end] = torch.where(actions, torch.tensor(out.entropy[i]), 0.0)
+        if bool(actions.any()):
+            last = prompt_width + int(actions.nonzero().max())
+            rewards[row, last] = scores[row]
     return RolloutBatch(
         input_ids=input_ids,
         attention_mask=attention_mask,

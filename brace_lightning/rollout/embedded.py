@@ -158,9 +158,12 @@ class EmbeddedEngine(RolloutEngine):
         prompts: list[list[int]],
         *,
         num_samples: int = 1,
+        extra_stop_token_ids: Sequence[int] = (),
         on_step: Callable[[], None] | None = None,
     ) -> GenerationOutput:
         """Sample ``num_samples`` responses per prompt; see :class:`RolloutEngine`.
+
+        ``extra_stop_token_ids`` end responses in this call only, next to ``stop_token_ids``.
 
         ``on_step`` (optional) is called between decoding steps, after a token was sampled for every
         row and before the next forward. It may call :meth:`update_weights`: the tokens sampled
@@ -168,6 +171,13 @@ class EmbeddedEngine(RolloutEngine):
         """
         if num_samples < 1:
             raise ValueError(f"generate got num_samples={num_samples}; expected an integer >= 1.")
+        bad_stops = [t for t in extra_stop_token_ids if not 0 <= t < self._vocab_size]
+        if bad_stops:
+            raise ValueError(
+                f"generate got extra_stop_token_ids containing {bad_stops[0]}; expected ids in "
+                f"[0, {self._vocab_size})."
+            )
+        stop_ids = [*self.stop_token_ids, *(int(t) for t in extra_stop_token_ids)]
         for i, prompt in enumerate(prompts):
             if len(prompt) == 0:
                 raise ValueError(
@@ -188,7 +198,7 @@ class EmbeddedEngine(RolloutEngine):
         versions: list[list[int]] = []
         finish: list[FinishReason] = []
         for start in range(0, len(expanded), chunk):
-            out = self._generate_batch(expanded[start : start + chunk], on_step)
+            out = self._generate_batch(expanded[start : start + chunk], stop_ids, on_step)
             for tokens, lps, ents, vers, reason in zip(*out, strict=True):
                 responses.append(tokens)
                 logprobs.append(lps)
@@ -207,7 +217,10 @@ class EmbeddedEngine(RolloutEngine):
 
     @torch.inference_mode()
     def _generate_batch(
-        self, prompts: list[list[int]], on_step: Callable[[], None] | None = None
+        self,
+        prompts: list[list[int]],
+        stop_token_ids: list[int],
+        on_step: Callable[[], None] | None = None,
     ) -> tuple[
         list[list[int]], list[list[float]], list[list[float]], list[list[int]], list[FinishReason]
     ]:
@@ -226,7 +239,7 @@ class EmbeddedEngine(RolloutEngine):
             use_cache=True,
         )
         next_position = position_ids[:, -1:] + 1  # [N, 1]
-        stop_ids = torch.tensor(self.stop_token_ids, dtype=torch.long, device=self.device)
+        stop_ids = torch.tensor(stop_token_ids, dtype=torch.long, device=self.device)
         finished = torch.zeros(n, dtype=torch.bool, device=self.device)
         lengths = torch.full((n,), self.max_new_tokens, dtype=torch.long, device=self.device)
         steps_tokens, steps_logprobs, steps_entropy, steps_version = [], [], [], []

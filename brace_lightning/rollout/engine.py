@@ -12,6 +12,7 @@ processes (vLLM) produce them without a tensor round trip; ``rollout/collect.py`
 
 from __future__ import annotations
 
+import inspect
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,10 @@ class GenerationOutput:
         prompt_index: index of the prompt (in the ``prompts`` argument) the sample answers.
         finish_reason: ``"stop"`` (a stop token was generated) or ``"length"`` (hit the budget).
         entropy: entropy of the sampling distribution at each response token, or None.
+        action_mask: per response token, True where the policy generated it (an action) and False
+            at environment tokens (tool observations of a multi-turn episode); None means every
+            response token is an action (single-turn generation). Engines leave it None; the
+            multi-turn loop (``rollout/multiturn.py``) fills it.
     """
 
     prompt_ids: list[list[int]]
@@ -46,6 +51,7 @@ class GenerationOutput:
     prompt_index: list[int]
     finish_reason: list[FinishReason]
     entropy: list[list[float]] | None = None
+    action_mask: list[list[bool]] | None = None
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -55,7 +61,16 @@ class GenerationOutput:
                     f"GenerationOutput.{name} has {len(getattr(self, name))} entries; expected {n} "
                     "like response_ids."
                 )
-        per_token = ["logprobs", "versions"] + ([] if self.entropy is None else ["entropy"])
+        per_token = ["logprobs", "versions"]
+        per_token += [
+            name for name in ("entropy", "action_mask") if getattr(self, name) is not None
+        ]
+        for name in ("entropy", "action_mask"):
+            if getattr(self, name) is not None and len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"GenerationOutput.{name} has {len(getattr(self, name))} entries; expected {n} "
+                    "like response_ids."
+                )
         for name in per_token:
             for i, (values, tokens) in enumerate(
                 zip(getattr(self, name), self.response_ids, strict=True)
@@ -79,12 +94,24 @@ class RolloutEngine(ABC):
         """Policy version of the weights the engine currently samples with."""
 
     @abstractmethod
-    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        num_samples: int = 1,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> GenerationOutput:
         """Sample ``num_samples`` responses for each prompt.
 
         Args:
             prompts: token ids of each prompt (unpadded, non-empty).
             num_samples: responses per prompt (the group size for group-relative baselines).
+            extra_stop_token_ids: token ids that also end a response in this call, in addition to
+                the engine's own stop ids (eos); a response that hits one ends with it (included,
+                as the last token) and has finish reason ``"stop"``. The multi-turn loop passes the
+                last token of each tool-call closing string here (e.g. ``>`` of ``</calc>``). An
+                engine that predates this keyword still works with the loop, which then cuts
+                responses at the closing string itself (same distribution, more tokens decoded).
 
         Returns:
             A :class:`GenerationOutput` with ``len(prompts) * num_samples`` entries, prompt-major.
@@ -106,6 +133,11 @@ class RolloutEngine(ABC):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless default
         """Restore what :meth:`state_dict` returned."""
+
+
+def accepts_extra_stops(engine: RolloutEngine) -> bool:
+    """Whether ``engine.generate`` takes the ``extra_stop_token_ids`` keyword."""
+    return "extra_stop_token_ids" in inspect.signature(engine.generate).parameters
 
 
 def check_sampling_args(name: str, temperature: float, top_p: float, max_new_tokens: int) -> None:

@@ -2,7 +2,8 @@
 
 A producer owns one engine and serves *requests* (prompts of one rollout batch) with whatever weights
 the trainer has sent it, scoring completions with the reward function and padding them
-(:func:`~brace_lightning.rollout.collect.collect_rollouts`). The trainer's side is a
+(:func:`~brace_lightning.rollout.collect.collect_rollouts`, or the multi-turn episodes of
+:func:`~brace_lightning.rollout.multiturn.collect_episodes` when the spec has an environment). The trainer's side is a
 :class:`ProducerHandle`; the admission rule that bounds staleness lives with the trainer (see
 ``rollout/buffer.py``): a producer never decides what to generate.
 
@@ -51,7 +52,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
@@ -64,10 +65,11 @@ from transformers import PretrainedConfig
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.sources import load_tokenizer
 from brace_lightning.rollout.buffer import batch_to_state
-from brace_lightning.rollout.collect import collect_rollouts
 from brace_lightning.rollout.embedded import EmbeddedEngine
-from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
+from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine, accepts_extra_stops
+from brace_lightning.rollout.multiturn import collect_batch
 from brace_lightning.tasks.base import Prompt, RewardFunction
+from brace_lightning.tasks.env import ToolEnvironment
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 
@@ -100,20 +102,22 @@ class ProducerSpec:
     Args:
         engine_factory: builds the engine from an actor-shaped model (None = ``EmbeddedEngine``).
         tokenizer: tokenizer source (``load_tokenizer``), used to encode prompts and decode answers.
-        reward: the verifier.
+        reward: the verifier of single-turn responses (None when ``env`` is set).
         samples_per_prompt: responses per prompt.
         exact_versions: serve each request with exactly the weights sent before it (fixed lag).
         interruptible: install newer weights between decoding steps (async only).
         torch_threads: ``torch.set_num_threads`` of a spawned producer.
+        env: multi-turn tool environment (episodes of ``collect_episodes``); None = single-turn.
     """
 
     engine_factory: EngineFactory | None
     tokenizer: str
-    reward: RewardFunction
+    reward: RewardFunction | None
     samples_per_prompt: int
     exact_versions: bool
     interruptible: bool
     torch_threads: int = 1
+    env: ToolEnvironment | None = None
 
 
 def portable_factory(factory: EngineFactory | None) -> EngineFactory | None:
@@ -173,7 +177,8 @@ class _Stop(Exception):
 
 
 class _HookedEngine(RolloutEngine):
-    """Passes ``on_step`` to an engine that accepts it, so ``collect_rollouts`` needs no hook."""
+    """Passes ``on_step`` (and ``extra_stop_token_ids``) to an engine that accepts it, so
+    ``collect_rollouts`` and ``collect_episodes`` need no hook."""
 
     def __init__(self, engine: RolloutEngine, on_step: Callable[[], None]) -> None:
         self.engine = engine
@@ -184,10 +189,19 @@ class _HookedEngine(RolloutEngine):
     def version(self) -> int:
         return self.engine.version
 
-    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
-        if self.on_step is None:
-            return self.engine.generate(prompts, num_samples=num_samples)
-        return self.engine.generate(prompts, num_samples=num_samples, on_step=self.on_step)  # type: ignore[call-arg]
+    def generate(
+        self,
+        prompts: list[list[int]],
+        *,
+        num_samples: int = 1,
+        extra_stop_token_ids: Sequence[int] = (),
+    ) -> GenerationOutput:
+        kwargs: dict[str, Any] = {}
+        if self.on_step is not None:
+            kwargs["on_step"] = self.on_step
+        if extra_stop_token_ids and accepts_extra_stops(self.engine):
+            kwargs["extra_stop_token_ids"] = extra_stop_token_ids
+        return self.engine.generate(prompts, num_samples=num_samples, **kwargs)
 
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         self.engine.update_weights(weights, version)
@@ -316,11 +330,12 @@ class Producer:
         self._doing = f"generating rollout batch {request.index} with version {version}"
         start = time.monotonic()
         idle = start - self._idle_since
-        batch = collect_rollouts(
+        batch = collect_batch(
             _HookedEngine(self.engine, self._on_step),
             request.prompts,
             self.tokenizer,
-            self.spec.reward,
+            reward=self.spec.reward,
+            env=self.spec.env,
             num_samples=self.spec.samples_per_prompt,
             group_id_offset=request.group_id_offset,
         )
@@ -399,14 +414,14 @@ class ProducerHandle:
         """Start a producer process (spawn context) that builds its engine from ``model_config``.
 
         Raises:
-            ValueError: when ``spec`` (engine factory, reward) cannot be pickled.
+            ValueError: when ``spec`` (engine factory, reward, environment) cannot be pickled.
         """
         try:
             _NoModulePickler(io.BytesIO()).dump((spec, model_config))
         except Exception as error:
             raise ValueError(
-                f"producer='process' sends the engine factory and the reward to a new process, but "
-                f"they cannot be pickled without the model ({error}); expected picklable objects "
+                f"producer='process' sends the engine factory, the reward and the environment to a "
+                f"new process, but they cannot be pickled without the model ({error}); expected picklable objects "
                 "that hold no torch module, or use producer='thread'."
             ) from error
         context = mp.get_context("spawn")

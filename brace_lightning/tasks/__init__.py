@@ -1,15 +1,24 @@
-"""Prompt sources and verifiers: arithmetic, GSM8K, and the interfaces users implement."""
+"""Prompt sources, verifiers and multi-turn tool environments: arithmetic, GSM8K, calculator tool,
+BM25 retrieval QA, and the interfaces users implement."""
 
 from brace_lightning.tasks.arithmetic import ArithmeticReward, ArithmeticTask
 from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
+from brace_lightning.tasks.calculator import CalculatorEnv
+from brace_lightning.tasks.env import ToolEnvironment
 from brace_lightning.tasks.gsm8k import GSM8K, GSM8KReward
+from brace_lightning.tasks.retrieval import BM25, RetrievalEnv, RetrievalQA
 
 __all__ = [
+    "BM25",
     "GSM8K",
     "ArithmeticReward",
     "ArithmeticTask",
+    "CalculatorEnv",
     "GSM8KReward",
     "Prompt",
     "PromptSource",
+    "RetrievalEnv",
+    "RetrievalQA",
     "RewardFunction",
+    "ToolEnvironment",
 ]

@@ -76,6 +76,9 @@ class ArithmeticTask(PromptSource):
         max_value: operands are drawn uniformly from ``[0, max_value]``.
         ops: the operators to draw from, a string over ``"+-*"``.
         seed: seed of the deterministic stream returned by ``iter(task)``.
+        tool_calls: the reference solutions of :meth:`supervised_pairs` compute every step with the
+            calculator tool of ``tasks/calculator.py`` (:meth:`tool_solution`), so a warm-started
+            policy calls it; the prompts and answers are the same.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class ArithmeticTask(PromptSource):
         max_value: int = 20,
         ops: str = "+-",
         seed: int = 0,
+        tool_calls: bool = False,
     ) -> None:
         low, high = (num_operands, num_operands) if isinstance(num_operands, int) else num_operands
         if not 2 <= low <= high:
@@ -101,6 +105,9 @@ class ArithmeticTask(PromptSource):
         self.max_value = int(max_value)
         self.ops = ops
         self.seed = int(seed)
+        if not isinstance(tool_calls, bool):
+            raise ValueError(f"tool_calls must be a bool; got {tool_calls!r}.")
+        self.tool_calls = tool_calls
 
     def _draw(self, generator: torch.Generator) -> Prompt:
         low, high = self.num_operands
@@ -132,6 +139,23 @@ class ArithmeticTask(PromptSource):
         """The reference step-by-step completion of an arithmetic ``prompt`` (without eos)."""
         return solve(prompt.metadata["operands"], prompt.metadata["ops"])[1]
 
+    @staticmethod
+    def tool_solution(prompt: Prompt) -> str:
+        """The reference completion with one calculator call per step, its results included::
+
+            12+7+5=  ->  <calc>12+7</calc><result>19</result><calc>19+5</calc><result>24</result>#24
+
+        (A supervised warm start on it also fits the result tokens; in rollouts the calculator
+        environment writes them, as environment tokens.)
+        """
+        operands, ops = prompt.metadata["operands"], prompt.metadata["ops"]
+        value, steps = operands[0], []
+        for op, operand in zip(ops, operands[1:], strict=True):
+            result = _OPS[op](value, operand)
+            steps.append(f"<calc>{value}{op}{operand}</calc><result>{result}</result>")
+            value = result
+        return "".join(steps) + f"#{value}"
+
     def supervised_pairs(self, n: int, *, seed: int | None = None) -> list[tuple[str, str]]:
         """``n`` ``(prompt text, reference solution)`` pairs for a supervised warm start.
 
@@ -140,7 +164,8 @@ class ArithmeticTask(PromptSource):
             seed: seed of the draw; None uses ``seed + 1`` so the pairs differ from ``iter(task)``.
         """
         generator = torch.Generator().manual_seed(self.seed + 1 if seed is None else seed)
-        return [(p.text, self.solution(p)) for p in self.sample(n, generator)]
+        reference = self.tool_solution if self.tool_calls else self.solution
+        return [(p.text, reference(p)) for p in self.sample(n, generator)]
 
 
 class ArithmeticReward(RewardFunction):
