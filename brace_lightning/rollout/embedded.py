@@ -33,7 +33,14 @@ import torch
 from torch import nn
 
 from brace_lightning.models.policy import position_ids_from_attention_mask
-from brace_lightning.rollout.engine import FinishReason, GenerationOutput, RolloutEngine
+from brace_lightning.rollout.engine import (
+    FinishReason,
+    GenerationOutput,
+    RolloutEngine,
+    check_generate_args,
+    check_sampling_args,
+    check_state_keys,
+)
 
 
 def _default_stop_ids(model: nn.Module) -> list[int]:
@@ -77,16 +84,7 @@ class EmbeddedEngine(RolloutEngine):
         device: torch.device | str | None = None,
         version: int = 0,
     ) -> None:
-        if not temperature >= 0:
-            raise ValueError(
-                f"EmbeddedEngine got temperature={temperature}; expected a value >= 0."
-            )
-        if not 0 < top_p <= 1:
-            raise ValueError(f"EmbeddedEngine got top_p={top_p}; expected a value in (0, 1].")
-        if max_new_tokens < 1:
-            raise ValueError(
-                f"EmbeddedEngine got max_new_tokens={max_new_tokens}; expected an integer >= 1."
-            )
+        check_sampling_args("EmbeddedEngine", temperature, top_p, max_new_tokens)
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(
                 f"EmbeddedEngine got max_batch_size={max_batch_size}; expected None or an integer >= 1."
@@ -135,14 +133,7 @@ class EmbeddedEngine(RolloutEngine):
         if version < 0:
             raise ValueError(f"update_weights got version={version}; expected an integer >= 0.")
         expected = self._model.state_dict()
-        missing = sorted(set(expected) - set(weights))
-        unexpected = sorted(set(weights) - set(expected))
-        if missing or unexpected:
-            raise ValueError(
-                f"update_weights got a state dict with missing keys {missing[:8]} and unexpected keys "
-                f"{unexpected[:8]} ({len(missing)} and {len(unexpected)} in all); expected exactly "
-                "the keys of the actor's state_dict()."
-            )
+        check_state_keys(weights, expected)
         for name, tensor in weights.items():
             if tuple(tensor.shape) != tuple(expected[name].shape):
                 raise ValueError(
@@ -169,26 +160,8 @@ class EmbeddedEngine(RolloutEngine):
         row and before the next forward. It may call :meth:`update_weights`: the tokens sampled
         afterwards record the new version (interruptible generation), and it may raise to abort.
         """
-        if num_samples < 1:
-            raise ValueError(f"generate got num_samples={num_samples}; expected an integer >= 1.")
-        bad_stops = [t for t in extra_stop_token_ids if not 0 <= t < self._vocab_size]
-        if bad_stops:
-            raise ValueError(
-                f"generate got extra_stop_token_ids containing {bad_stops[0]}; expected ids in "
-                f"[0, {self._vocab_size})."
-            )
+        check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
         stop_ids = [*self.stop_token_ids, *(int(t) for t in extra_stop_token_ids)]
-        for i, prompt in enumerate(prompts):
-            if len(prompt) == 0:
-                raise ValueError(
-                    f"generate got an empty prompts[{i}]; expected at least one token."
-                )
-            bad = [t for t in prompt if not 0 <= t < self._vocab_size]
-            if bad:
-                raise ValueError(
-                    f"generate got token id {bad[0]} in prompts[{i}]; expected ids in "
-                    f"[0, {self._vocab_size})."
-                )
         expanded = [list(p) for p in prompts for _ in range(num_samples)]
         index = [i for i in range(len(prompts)) for _ in range(num_samples)]
         chunk = self.max_batch_size or max(len(expanded), 1)

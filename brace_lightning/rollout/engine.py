@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -150,10 +150,21 @@ def check_sampling_args(name: str, temperature: float, top_p: float, max_new_tok
         raise ValueError(f"{name} got max_new_tokens={max_new_tokens}; expected an integer >= 1.")
 
 
-def check_generate_args(prompts: list[list[int]], num_samples: int, vocab_size: int) -> None:
+def check_generate_args(
+    prompts: list[list[int]],
+    num_samples: int,
+    vocab_size: int,
+    extra_stop_token_ids: Sequence[int] = (),
+) -> None:
     """Raise one sentence for num_samples < 1, an empty prompt or an id outside the vocabulary."""
     if not isinstance(num_samples, int) or num_samples < 1:
         raise ValueError(f"generate got num_samples={num_samples}; expected an integer >= 1.")
+    bad_stops = [t for t in extra_stop_token_ids if not 0 <= t < vocab_size]
+    if bad_stops:
+        raise ValueError(
+            f"generate got extra_stop_token_ids containing {bad_stops[0]}; expected ids in "
+            f"[0, {vocab_size})."
+        )
     for i, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise ValueError(f"generate got an empty prompts[{i}]; expected at least one token.")
@@ -164,10 +175,11 @@ def check_generate_args(prompts: list[list[int]], num_samples: int, vocab_size: 
             )
 
 
-def check_state_keys(weights: Mapping[str, torch.Tensor], expected: Sequence[str]) -> None:
+def check_state_keys(weights: Mapping[str, torch.Tensor], expected: Iterable[str]) -> None:
     """Raise one sentence when ``weights`` does not have exactly the actor's state-dict keys."""
-    missing = sorted(set(expected) - set(weights))
-    unexpected = sorted(set(weights) - set(expected))
+    keys = set(expected)
+    missing = sorted(keys - set(weights))
+    unexpected = sorted(set(weights) - keys)
     if missing or unexpected:
         raise ValueError(
             f"update_weights got a state dict with missing keys {missing[:8]} and unexpected keys "

@@ -236,7 +236,7 @@ class VLLMEngine(RolloutEngine):
         ``extra_stop_token_ids`` also end a response in this call only (a tool call's closing
         token in multi-turn episodes), next to ``stop_token_ids``.
         """
-        check_generate_args(prompts, num_samples, self._vocab_size)
+        check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
         stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
         base = self.seed + _SEED_STRIDE * self._calls
         self._calls += 1

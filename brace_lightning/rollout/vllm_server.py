@@ -375,7 +375,7 @@ class VLLMServerEngine(RolloutEngine):
         Raises:
             VLLMServerError: when a server is unreachable, died, errs, or serves another version.
         """
-        check_generate_args(prompts, num_samples, self._vocab_size)
+        check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
         stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
         for url, served in zip(self.urls, self.served_versions(), strict=True):
             if served != self._version:
