@@ -63,6 +63,36 @@ def test_seeded_determinism(actor):
     assert a.response_ids != c.response_ids
 
 
+def test_offset_seed_gives_each_rank_its_own_stream(actor):
+    rank0 = EmbeddedEngine(actor, max_new_tokens=12, seed=3).generate(PROMPTS, num_samples=2)
+    shifted = EmbeddedEngine(actor, max_new_tokens=12, seed=3)
+    shifted.generate(PROMPTS)  # the offset restarts the stream, whatever was drawn before
+    shifted.offset_seed(1)
+    seed4 = EmbeddedEngine(actor, max_new_tokens=12, seed=4).generate(PROMPTS, num_samples=2)
+    out = shifted.generate(PROMPTS, num_samples=2)
+    assert out.response_ids == seed4.response_ids and out.response_ids != rank0.response_ids
+
+
+def test_producer_engines_are_offset_by_the_rank(actor):
+    from brace_lightning.rollout.workers import ProducerSpec, build_engine
+
+    def spec(offset: int) -> ProducerSpec:
+        return ProducerSpec(
+            engine_factory=lambda model: EmbeddedEngine(model, max_new_tokens=12, seed=3),
+            tokenizer="tiny-char",
+            reward=ArithmeticReward(),
+            samples_per_prompt=2,
+            exact_versions=False,
+            interruptible=False,
+            seed_offset=offset,
+        )
+
+    rank0 = build_engine(spec(0), actor).generate(PROMPTS, num_samples=2)
+    rank1 = build_engine(spec(1), actor).generate(PROMPTS, num_samples=2)
+    seed4 = EmbeddedEngine(actor, max_new_tokens=12, seed=4).generate(PROMPTS, num_samples=2)
+    assert rank1.response_ids == seed4.response_ids != rank0.response_ids
+
+
 def test_state_dict_resumes_the_sampling_stream(actor):
     engine = EmbeddedEngine(actor, max_new_tokens=6, seed=3)
     engine.generate(PROMPTS)

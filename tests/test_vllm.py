@@ -111,6 +111,21 @@ def test_seeded_stream_resumes_from_state_dict(engine):
     assert engine.generate(PROMPTS, num_samples=2).response_ids == first.response_ids
 
 
+def test_offset_seed_moves_the_per_request_seeds(engine):
+    state = engine.state_dict()
+    try:
+        engine.offset_seed(0)
+        rank0 = engine.generate(PROMPTS, num_samples=2)
+        engine.offset_seed(1)
+        rank1 = engine.generate(PROMPTS, num_samples=2)
+        assert rank1.response_ids != rank0.response_ids
+        engine.offset_seed(0)
+        assert engine.generate(PROMPTS, num_samples=2).response_ids == rank0.response_ids
+    finally:
+        engine.offset_seed(0)
+        engine.load_state_dict(state)
+
+
 def test_weight_sync_changes_output_and_matches_the_trainer(engine, actor, other):
     state = engine.state_dict()
     before = engine.generate(PROMPTS, num_samples=2)

@@ -289,6 +289,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             exact_versions=self.lag_mode == "fixed",
             interruptible=self.interruptible,
             torch_threads=self.producer_threads,
+            seed_offset=0 if self.trainer is None else self.trainer.global_rank,
         )
 
     def _spawn(self, actor: nn.Module) -> None:

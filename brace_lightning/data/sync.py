@@ -243,6 +243,8 @@ class RolloutDataModule(pl.LightningDataModule):
         actor: nn.Module = unsharded_copy(module.actor)  # FSDP: gathered on every rank
         factory = self.engine_factory or EmbeddedEngine
         engine = factory(actor)
+        if self.trainer.global_rank:
+            engine.offset_seed(self.trainer.global_rank)  # ranks do not share sampling noise
         if self.lag and not self._history:
             self._history[0] = _cpu_copy(actor.state_dict())  # the lagged engine starts here
         behavior_version = max(0, self.trainer_version - self.lag)

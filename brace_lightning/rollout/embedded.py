@@ -103,6 +103,7 @@ class EmbeddedEngine(RolloutEngine):
             self._model.to(device)
         self.device = next(self._model.parameters()).device
         self._vocab_size = self._model.get_input_embeddings().num_embeddings
+        self._seed = int(seed)
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._version = int(version)
 
@@ -118,6 +119,10 @@ class EmbeddedEngine(RolloutEngine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the sampling stream saved by :meth:`state_dict`."""
         self._generator.set_state(state["generator"])
+
+    def offset_seed(self, offset: int) -> None:
+        """Restart the sampling generator at ``seed + offset`` (see :class:`RolloutEngine`)."""
+        self._generator.manual_seed(self._seed + int(offset))
 
     @property
     def model(self) -> nn.Module:

@@ -134,6 +134,14 @@ class RolloutEngine(ABC):
     def load_state_dict(self, state: dict[str, Any]) -> None:  # noqa: B027 - stateless default
         """Restore what :meth:`state_dict` returned."""
 
+    def offset_seed(self, offset: int) -> None:  # noqa: B027 - engines without a seed ignore it
+        """Restart the sampling stream at ``seed + offset``.
+
+        Data-parallel rank r calls it with r, so that ranks do not share their sampling noise (their
+        engines are built from the same recipe, hence the same seed). Engines without a seed ignore
+        it.
+        """
+
 
 def accepts_extra_stops(engine: RolloutEngine) -> bool:
     """Whether ``engine.generate`` takes the ``extra_stop_token_ids`` keyword."""

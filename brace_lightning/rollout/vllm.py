@@ -154,7 +154,7 @@ class VLLMEngine(RolloutEngine):
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.max_new_tokens = int(max_new_tokens)
-        self.seed = int(seed)
+        self.seed = self._base_seed = int(seed)
         self.stop_token_ids = (
             _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
         )
@@ -201,6 +201,11 @@ class VLLMEngine(RolloutEngine):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the sampling stream saved by :meth:`state_dict`."""
         self._calls = int(state["calls"])
+
+    def offset_seed(self, offset: int) -> None:
+        """Per-request seeds start from ``seed + offset`` (see :class:`RolloutEngine`)."""
+        self.seed = self._base_seed + int(offset)
+        self._calls = 0
 
     def _set_version(self, version: int) -> None:
         self._llm.llm_engine.set_weight_version(str(version))

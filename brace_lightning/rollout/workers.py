@@ -108,6 +108,7 @@ class ProducerSpec:
         interruptible: install newer weights between decoding steps (async only).
         torch_threads: ``torch.set_num_threads`` of a spawned producer.
         env: multi-turn tool environment (episodes of ``collect_episodes``); None = single-turn.
+        seed_offset: the engine samples from ``seed + seed_offset`` (the data-parallel rank).
     """
 
     engine_factory: EngineFactory | None
@@ -118,6 +119,7 @@ class ProducerSpec:
     interruptible: bool
     torch_threads: int = 1
     env: ToolEnvironment | None = None
+    seed_offset: int = 0
 
 
 def portable_factory(factory: EngineFactory | None) -> EngineFactory | None:
@@ -149,7 +151,10 @@ class _NoModulePickler(pickle.Pickler):
 
 def build_engine(spec: ProducerSpec, model: nn.Module) -> RolloutEngine:
     """The engine of ``spec`` built around ``model`` (which the embedded engine deep-copies)."""
-    return (spec.engine_factory or EmbeddedEngine)(model)
+    engine = (spec.engine_factory or EmbeddedEngine)(model)
+    if spec.seed_offset:
+        engine.offset_seed(spec.seed_offset)
+    return engine
 
 
 def accepts_step_hook(engine: RolloutEngine) -> bool:
