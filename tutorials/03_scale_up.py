@@ -320,7 +320,7 @@ assert all(v < 1e-3 for _, v in scalars["mismatch/abs_logprob_diff"])
 # %% [markdown]
 # What to look at: every episode calls the calculator about once (`data/mean_tool_calls`), the reward
 # starts from the warm start's accuracy, and the engine's log-probs agree with the trainer's
-# better than 1e-6 at every step, after every weight push. Six steps of 32 episodes are too few to show
+# to better than 1e-6 at every step, after every weight push. Six steps of 32 episodes are too few to show
 # learning; `configs/quickstart.yaml` trains for 40.
 
 # %% [markdown]
