@@ -1,6 +1,6 @@
 """Wall time of one training run with synchronous versus asynchronous rollouts (and BRACE vs GAE).
 
-    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--tokens 100] [--hidden 64]
+    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--tokens 200] [--hidden 64]
 
 Every row trains the same workload: ``--steps`` rollout steps of 16 prompts x 4 samples, responses of
 exactly ``--tokens`` tokens (no stop token, so generation cost does not drift as the policy learns),
@@ -153,7 +153,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--tokens", type=int, default=100)
+    parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=None, help="run only these rows")
