@@ -2,7 +2,7 @@
 BM25 retrieval QA, and the interfaces users implement."""
 
 from brace_lightning.tasks.arithmetic import ArithmeticReward, ArithmeticTask
-from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
+from brace_lightning.tasks.base import Prompt, PromptList, PromptSource, RewardFunction
 from brace_lightning.tasks.calculator import CalculatorEnv
 from brace_lightning.tasks.env import ToolEnvironment
 from brace_lightning.tasks.gsm8k import GSM8K, GSM8KReward
@@ -16,6 +16,7 @@ __all__ = [
     "CalculatorEnv",
     "GSM8KReward",
     "Prompt",
+    "PromptList",
     "PromptSource",
     "RetrievalEnv",
     "RetrievalQA",

@@ -54,6 +54,36 @@ class PromptSource(ABC):
         """Prompts in a deterministic order (the same on every call)."""
 
 
+class PromptList(PromptSource):
+    """A prompt source backed by a list of prompts (``self.prompts``, filled by the subclass).
+
+    Iteration is in list order; :meth:`sample` draws without replacement when ``n <= len(self)``,
+    else with replacement.
+    """
+
+    prompts: list[Prompt]
+
+    def __len__(self) -> int:
+        return len(self.prompts)
+
+    def __getitem__(self, index: int) -> Prompt:
+        return self.prompts[index]
+
+    def __iter__(self) -> Iterator[Prompt]:
+        """Prompts in list (file or dataset) order."""
+        return iter(self.prompts)
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
+        """``n`` prompts: without replacement when ``n <= len(self)``, else with replacement."""
+        if n < 0:
+            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
+        if n <= len(self):
+            index = torch.randperm(len(self), generator=generator)[:n]
+        else:
+            index = torch.randint(len(self), (n,), generator=generator)
+        return [self.prompts[i] for i in index.tolist()]
+
+
 class RewardFunction(ABC):
     """Scores a completion; subclass it and point a recipe at it with ``class_path``.
 

@@ -14,13 +14,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
 
 import torch
 
-from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
+from brace_lightning.tasks.base import Prompt, PromptList, RewardFunction
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
@@ -129,7 +128,7 @@ def load_gsm8k_hub(
     ]
 
 
-class GSM8K(PromptSource):
+class GSM8K(PromptList):
     """GSM8K prompts from a local JSONL file or a hub dataset.
 
     Args:
@@ -160,26 +159,6 @@ class GSM8K(PromptSource):
             )
         if not self.prompts:
             raise ValueError(f"GSM8K got source={source!r} with no records; expected at least one.")
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def __getitem__(self, index: int) -> Prompt:
-        return self.prompts[index]
-
-    def __iter__(self) -> Iterator[Prompt]:
-        """Records in file (or dataset) order."""
-        return iter(self.prompts)
-
-    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
-        """``n`` prompts: without replacement when ``n <= len(self)``, else with replacement."""
-        if n < 0:
-            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
-        if n <= len(self):
-            index = torch.randperm(len(self), generator=generator)[:n]
-        else:
-            index = torch.randint(len(self), (n,), generator=generator)
-        return [self.prompts[i] for i in index.tolist()]
 
     def supervised_pairs(self, n: int | None = None, *, seed: int = 0) -> list[tuple[str, str]]:
         """``(prompt text, " " + reference solution)`` pairs for a supervised warm start.

@@ -33,13 +33,11 @@ import math
 import re
 import string
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 
-import torch
-
-from brace_lightning.tasks.base import Prompt, PromptSource
+from brace_lightning.tasks.base import Prompt, PromptList
 from brace_lightning.tasks.env import ToolEnvironment, last_call, strip_blocks
 
 DEFAULT_QA_TEMPLATE = "Question: {question}\n"
@@ -159,7 +157,7 @@ def load_corpus(path: str | Path | None = None) -> list[tuple[str, str]]:
     return passages
 
 
-class RetrievalQA(PromptSource):
+class RetrievalQA(PromptList):
     """Questions with accepted answers from a JSONL file (None = the shipped ``wiki_qa.jsonl``).
 
     Each line is ``{"question": str, "answers": [str, ...]}``; ``Prompt.answer`` is the first alias
@@ -201,23 +199,6 @@ class RetrievalQA(PromptSource):
             )
         if not self.prompts:
             raise ValueError(f"QA file {str(path)!r} holds no questions; expected at least one.")
-
-    def __len__(self) -> int:
-        return len(self.prompts)
-
-    def __iter__(self) -> Iterator[Prompt]:
-        """Questions in file order."""
-        return iter(self.prompts)
-
-    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
-        """``n`` prompts: without replacement when ``n <= len(self)``, else with replacement."""
-        if n < 0:
-            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
-        if n <= len(self):
-            index = torch.randperm(len(self), generator=generator)[:n]
-        else:
-            index = torch.randint(len(self), (n,), generator=generator)
-        return [self.prompts[i] for i in index.tolist()]
 
 
 class RetrievalEnv(ToolEnvironment):
