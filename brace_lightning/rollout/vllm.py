@@ -108,7 +108,77 @@ def versions_from_spans(spans: Sequence[Any] | None, length: int, default: int) 
     return versions
 
 
-class VLLMEngine(RolloutEngine):
+class SeededRequestEngine(RolloutEngine):
+    """What the vLLM engines share: sampling settings, per-request seeds, the version, resume state.
+
+    Call ``i`` of :meth:`_start_call` seeds prompt ``j`` with ``seed + 1_000_003 * i + j`` (a seed per
+    prompt: a shared one would correlate the samples of identical prompts); :meth:`state_dict` saves
+    ``i`` so that a resumed run continues the stream.
+    """
+
+    def _setup(
+        self,
+        name: str,
+        model: nn.Module,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        stop_token_ids: Sequence[int] | None,
+        seed: int,
+        version: int,
+    ) -> None:
+        """Validate and store the settings every engine of this kind takes (``name`` in errors)."""
+        check_sampling_args(name, temperature, top_p, max_new_tokens)
+        if version < 0:
+            raise ValueError(f"{name} got version={version}; expected an integer >= 0.")
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.max_new_tokens = int(max_new_tokens)
+        self.seed = self._base_seed = int(seed)
+        self.stop_token_ids = (
+            _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
+        )
+        self._keys = sorted(model.state_dict())
+        self._vocab_size = model.get_input_embeddings().num_embeddings
+        self._calls = 0
+        self._version = int(version)
+
+    @property
+    def version(self) -> int:
+        """Policy version of the weights the engine currently samples with."""
+        return self._version
+
+    def state_dict(self) -> dict[str, Any]:
+        """How many ``generate`` calls were made (the sampling seeds continue from there)."""
+        return {"calls": self._calls, "version": self._version}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the sampling stream saved by :meth:`state_dict`."""
+        self._calls = int(state["calls"])
+
+    def offset_seed(self, offset: int) -> None:
+        """Per-request seeds start from ``seed + offset`` (see :class:`RolloutEngine`)."""
+        self.seed = self._base_seed + int(offset)
+        self._calls = 0
+
+    def _start_call(
+        self, prompts: list[list[int]], num_samples: int, extra_stop_token_ids: Sequence[int]
+    ) -> tuple[list[int], int]:
+        """Validate a ``generate`` call; its stop ids and the seed of its first prompt."""
+        check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
+        stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
+        base = self.seed + _SEED_STRIDE * self._calls
+        self._calls += 1
+        return stops, base
+
+    def _recorded(self, logprobs: list[float]) -> list[float]:
+        """The behavior log-probs to record: greedy decoding samples from a point mass (0), as in
+        the embedded engine."""
+        return logprobs if self.temperature > 0 else [0.0] * len(logprobs)
+
+
+class VLLMEngine(SeededRequestEngine):
     """Sample from an in-process ``vllm.LLM`` that serves the actor's architecture and weights.
 
     Args:
@@ -147,20 +217,17 @@ class VLLMEngine(RolloutEngine):
         enforce_eager: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
     ) -> None:
-        check_sampling_args("VLLMEngine", temperature, top_p, max_new_tokens)
-        if version < 0:
-            raise ValueError(f"VLLMEngine got version={version}; expected an integer >= 0.")
-        vllm = import_vllm()
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.max_new_tokens = int(max_new_tokens)
-        self.seed = self._base_seed = int(seed)
-        self.stop_token_ids = (
-            _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
+        self._setup(
+            "VLLMEngine",
+            model,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            version=version,
         )
-        self._keys = sorted(model.state_dict())
-        self._vocab_size = model.get_input_embeddings().num_embeddings
-        self._calls = 0
+        vllm = import_vllm()
         self._folder = tempfile.mkdtemp(prefix="brace_vllm_")
         save_for_engine(model, self._folder)
         config = getattr(model, "config", None)
@@ -180,32 +247,13 @@ class VLLMEngine(RolloutEngine):
         )
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
-        self._version = -1
-        self._set_version(int(version))
+        self._set_version(self._version)
 
     # ------------------------------------------------------------------ state
-
-    @property
-    def version(self) -> int:
-        """Policy version of the weights the engine currently samples with."""
-        return self._version
 
     def served_version(self) -> int:
         """The weight version vLLM itself reports (equals :attr:`version` after every update)."""
         return int(self._llm.llm_engine.get_weight_version())
-
-    def state_dict(self) -> dict[str, Any]:
-        """How many ``generate`` calls were made (the sampling seeds continue from there)."""
-        return {"calls": self._calls, "version": self._version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the sampling stream saved by :meth:`state_dict`."""
-        self._calls = int(state["calls"])
-
-    def offset_seed(self, offset: int) -> None:
-        """Per-request seeds start from ``seed + offset`` (see :class:`RolloutEngine`)."""
-        self.seed = self._base_seed + int(offset)
-        self._calls = 0
 
     def _set_version(self, version: int) -> None:
         self._llm.llm_engine.set_weight_version(str(version))
@@ -241,10 +289,7 @@ class VLLMEngine(RolloutEngine):
         ``extra_stop_token_ids`` also end a response in this call only (a tool call's closing
         token in multi-turn episodes), next to ``stop_token_ids``.
         """
-        check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
-        stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
-        base = self.seed + _SEED_STRIDE * self._calls
-        self._calls += 1
+        stops, base = self._start_call(prompts, num_samples, extra_stop_token_ids)
         params = [
             self._sampling_params(
                 n=num_samples,
@@ -267,19 +312,14 @@ class VLLMEngine(RolloutEngine):
                 tokens = list(sample.token_ids)
                 result.prompt_ids.append(list(prompts[j]))
                 result.response_ids.append(tokens)
-                # Greedy decoding samples from a point mass (log µ = 0), as in the embedded engine.
-                result.logprobs.append(
-                    sampled_logprobs(sample.logprobs, tokens)
-                    if self.temperature > 0
-                    else [0.0] * len(tokens)
-                )
+                result.logprobs.append(self._recorded(sampled_logprobs(sample.logprobs, tokens)))
                 result.versions.append(
                     versions_from_spans(
                         getattr(sample, "weight_versions", None), len(tokens), self._version
                     )
                 )
                 result.prompt_index.append(j)
-                result.finish_reason.append(_finish_reason(sample.finish_reason))
+                result.finish_reason.append(finish_reason(sample.finish_reason))
         result.__post_init__()
         return result
 
@@ -303,5 +343,6 @@ def sampled_logprobs(
     return [float(step[token].logprob) for step, token in zip(logprobs, tokens, strict=True)]
 
 
-def _finish_reason(reason: str | None) -> FinishReason:
+def finish_reason(reason: str | None) -> FinishReason:
+    """vLLM's finish reason as the engine interface's: ``"length"`` or ``"stop"``."""
     return "length" if reason == "length" else "stop"

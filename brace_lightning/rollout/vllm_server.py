@@ -48,20 +48,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from brace_lightning.rollout.embedded import _default_stop_ids
 from brace_lightning.rollout.engine import (
     GenerationOutput,
-    RolloutEngine,
-    check_generate_args,
-    check_sampling_args,
     check_state_keys,
 )
-from brace_lightning.rollout.vllm import CPU_ENVIRONMENT, save_for_engine
+from brace_lightning.rollout.vllm import (
+    CPU_ENVIRONMENT,
+    SeededRequestEngine,
+    finish_reason,
+    save_for_engine,
+)
 
 #: Flags every server needs: log-probs of the sampling distribution, token ids in and out.
 SERVER_FLAGS: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs", "--enforce-eager")
-
-_SEED_STRIDE = 1_000_003
 
 
 class VLLMServerError(RuntimeError):
@@ -184,7 +183,7 @@ def _group_alive(pgid: int) -> bool:
     return True
 
 
-class VLLMServerEngine(RolloutEngine):
+class VLLMServerEngine(SeededRequestEngine):
     """Sample from one or more vLLM servers over HTTP; see the module docstring.
 
     Args:
@@ -221,22 +220,19 @@ class VLLMServerEngine(RolloutEngine):
         request_timeout: float = 300.0,
         startup_timeout: float = 300.0,
     ) -> None:
-        check_sampling_args("VLLMServerEngine", temperature, top_p, max_new_tokens)
-        if version < 0:
-            raise ValueError(f"VLLMServerEngine got version={version}; expected an integer >= 0.")
+        self._setup(
+            "VLLMServerEngine",
+            model,
+            temperature=temperature,
+            top_p=top_p,
+            max_new_tokens=max_new_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+            version=version,
+        )
         if urls is not None and not urls:
             raise ValueError("VLLMServerEngine got urls=[]; expected None or at least one URL.")
-        self.temperature = float(temperature)
-        self.top_p = float(top_p)
-        self.max_new_tokens = int(max_new_tokens)
-        self.seed = self._base_seed = int(seed)
         self.request_timeout = float(request_timeout)
-        self.stop_token_ids = (
-            _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
-        )
-        self._keys = sorted(model.state_dict())
-        self._vocab_size = model.get_input_embeddings().num_embeddings
-        self._calls = 0
         self._owned_dirs: list[str] = []
         self._servers: list[VLLMServer] = []
         if weights_dir is None:
@@ -254,7 +250,6 @@ class VLLMServerEngine(RolloutEngine):
             urls = [self._servers[0].url]
         self.urls = [u.rstrip("/") for u in urls]
         self._models = [self._served_model(url) for url in self.urls]
-        self._version = int(version)
         for url in self.urls:
             self._post(url, "/update_weight_version", {"new_version": str(self._version)})
 
@@ -302,11 +297,6 @@ class VLLMServerEngine(RolloutEngine):
 
     # ------------------------------------------------------------------ state
 
-    @property
-    def version(self) -> int:
-        """Policy version of the weights the servers currently sample with."""
-        return self._version
-
     def served_versions(self) -> list[int | str]:
         """The version each server reports (``GET /weight_info``), in ``urls`` order."""
         out: list[int | str] = []
@@ -314,19 +304,6 @@ class VLLMServerEngine(RolloutEngine):
             label = str(self._get(url, "/weight_info")["weight_version"])
             out.append(int(label) if label.lstrip("-").isdigit() else label)
         return out
-
-    def state_dict(self) -> dict[str, Any]:
-        """How many ``generate`` calls were made (the sampling seeds continue from there)."""
-        return {"calls": self._calls, "version": self._version}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the sampling stream saved by :meth:`state_dict`."""
-        self._calls = int(state["calls"])
-
-    def offset_seed(self, offset: int) -> None:
-        """Per-request seeds start from ``seed + offset`` (see :class:`RolloutEngine`)."""
-        self.seed = self._base_seed + int(offset)
-        self._calls = 0
 
     # ------------------------------------------------------------------ weights
 
@@ -380,16 +357,13 @@ class VLLMServerEngine(RolloutEngine):
         Raises:
             VLLMServerError: when a server is unreachable, died, errs, or serves another version.
         """
-        check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
-        stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
+        stops, base = self._start_call(prompts, num_samples, extra_stop_token_ids)
         for url, served in zip(self.urls, self.served_versions(), strict=True):
             if served != self._version:
                 raise VLLMServerError(
                     f"vLLM server at {url} serves weight version {served!r}; expected "
                     f"{self._version}, the version this engine last installed."
                 )
-        base = self.seed + _SEED_STRIDE * self._calls
-        self._calls += 1
 
         def complete(j: int) -> list[dict[str, Any]]:
             server = j % len(self.urls)
@@ -419,12 +393,10 @@ class VLLMServerEngine(RolloutEngine):
                 logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
                 result.prompt_ids.append(list(prompts[j]))
                 result.response_ids.append(tokens)
-                result.logprobs.append(logprobs if self.temperature > 0 else [0.0] * len(tokens))
+                result.logprobs.append(self._recorded(logprobs))
                 result.versions.append([self._version] * len(tokens))
                 result.prompt_index.append(j)
-                result.finish_reason.append(
-                    "length" if choice["finish_reason"] == "length" else "stop"
-                )
+                result.finish_reason.append(finish_reason(choice["finish_reason"]))
         result.__post_init__()
         return result
 
