@@ -53,24 +53,10 @@ def _model(small: bool, device: str, seed: int) -> torch.nn.Module:
     return load_causal_lm(config, seed=seed).to(device).eval()
 
 
-def _gap(model: torch.nn.Module, out, device: str) -> float:
-    from brace_lightning.models.policy import token_logprobs
+def _gap(model: torch.nn.Module, out) -> float:
+    from brace_lightning.rollout.collect import generation_batch, max_logprob_gap
 
-    p = max(len(x) for x in out.prompt_ids)
-    r = max(len(x) for x in out.response_ids)
-    ids = torch.zeros(len(out), p + r, dtype=torch.long)
-    mask = torch.zeros(len(out), p + r, dtype=torch.bool)
-    for i, (prompt, response) in enumerate(zip(out.prompt_ids, out.response_ids, strict=True)):
-        ids[i, p - len(prompt) : p + len(response)] = torch.tensor(prompt + response)
-        mask[i, p - len(prompt) : p + len(response)] = True
-    with torch.no_grad():
-        logprobs, _ = token_logprobs(model, ids.to(device), mask.to(device))
-    gap = 0.0
-    for i, recorded in enumerate(out.logprobs):
-        n = len(recorded)
-        diff = logprobs[i, p : p + n].float().cpu() - torch.tensor(recorded)
-        gap = max(gap, diff.abs().max().item())
-    return gap
+    return max_logprob_gap(model, generation_batch(out))
 
 
 def vllm_rows(small: bool, device: str) -> list[tuple[str, str]]:
@@ -88,13 +74,13 @@ def vllm_rows(small: bool, device: str) -> list[tuple[str, str]]:
         out = engine.generate(prompts, num_samples=4)
         seconds = time.perf_counter() - start
         tokens = sum(len(r) for r in out.response_ids)
-        gap = _gap(actor, out, device)
+        gap = _gap(actor, out)
         weights = other.state_dict()
         start = time.perf_counter()
         engine.update_weights(weights, 1)
         sync = time.perf_counter() - start
         after = engine.generate(prompts[:8], num_samples=2)
-        gap_after = _gap(other, after, device)
+        gap_after = _gap(other, after)
         versions_ok = all(
             v == [1] * len(t) for v, t in zip(after.versions, after.response_ids, strict=True)
         )

@@ -397,3 +397,13 @@ def test_collect_rollouts_with_embedded_engine(actor, tokenizer):
     assert delta.abs().max() < 1e-4
     with pytest.raises(ValueError, match="num_samples=0"):
         collect_rollouts(engine, prompts, tokenizer, ArithmeticReward(), num_samples=0)
+
+
+def test_max_logprob_gap_measures_engine_trainer_mismatch(actor, config):
+    from brace_lightning.rollout.collect import generation_batch, max_logprob_gap
+
+    out = EmbeddedEngine(actor, max_new_tokens=8, seed=1).generate(PROMPTS, num_samples=2)
+    batch = generation_batch(out)
+    assert batch.mask.sum() == sum(len(r) for r in out.response_ids)
+    assert max_logprob_gap(actor, batch) < 1e-4
+    assert max_logprob_gap(load_causal_lm(config, seed=5), batch) > 1e-2

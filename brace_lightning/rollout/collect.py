@@ -140,6 +140,32 @@ def score_and_pad(
     return batch
 
 
+def generation_batch(out: GenerationOutput, pad_id: int = 0) -> RolloutBatch:
+    """Every sample of ``out`` in the :class:`RolloutBatch` layout, unscored (rewards and scores 0)."""
+    n = len(out)
+    return _pad(out, list(range(n)), [0.0] * n, [False] * n, pad_id, 0)
+
+
+def max_logprob_gap(
+    model: torch.nn.Module, batch: RolloutBatch, *, temperature: float = 1.0
+) -> float:
+    """max |log µ − log π| over the actions of ``batch``: the engine's recorded log-probs against
+    ``model``'s forward pass (:func:`~brace_lightning.models.policy.token_logprobs`) at
+    ``temperature``. With the engine's weights in ``model`` it measures engine/trainer mismatch."""
+    from brace_lightning.models.policy import token_logprobs
+
+    device = next(model.parameters()).device
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(
+            model,
+            batch.input_ids.to(device),
+            batch.attention_mask.to(device),
+            temperature=temperature,
+        )
+    gap = (logprobs.float().cpu() - batch.behavior_logprobs)[batch.mask].abs()
+    return float(gap.max()) if gap.numel() else 0.0
+
+
 def _pad(
     out: GenerationOutput,
     kept: list[int],
