@@ -1,11 +1,13 @@
 """Wall time of one training run with synchronous versus asynchronous rollouts (and BRACE vs GAE).
 
-    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--tokens 200] [--hidden 64]
+    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--tokens 200] [--hidden 32]
 
 Every row trains the same workload: ``--steps`` rollout steps of 16 prompts x 4 samples, responses of
 exactly ``--tokens`` tokens (no stop token, so generation cost does not drift as the policy learns),
 one PPO epoch in two minibatches, the tiny Qwen2 (``--hidden``, ``--layers``), no warm start. The
-defaults make generation and training of a step take comparable time on one core each.
+defaults (hidden 32, 200 tokens) make generation and training of a step take the same time on one
+core each (the *generate s* and *train s* columns show the balance; at ``--hidden 64`` training is
+the longer phase and bounds the speed-up).
 
 - ``sync``: :class:`RolloutDataModule` (lag 0), generation and training one after the other in the
   training process, with 1 and with 2 torch threads (two threads give both phases both cores).
@@ -15,10 +17,13 @@ defaults make generation and training of a step take comparable time on one core
 
 Timing: *steady* = wall time from the end of rollout step 1 to the end of the last step, divided by
 ``steps - 1`` (step 1 holds the producer's start-up and the first generation, which no overlap can
-hide); *fit* = the whole ``Trainer.fit``. Medians over ``--repeats`` runs, the configurations
-interleaved so that background load hits them alike. Speed-up = sync (1 thread) steady time / row's
-steady time. The second table compares the BRACE and GAE value targets under ``async S = 2``: the
-step time and the value-target kernel time (``time/value_target_ms``).
+hide); *fit* = the whole ``Trainer.fit``; *generate s* = the engine's time per rollout batch (in the
+producer for async rows); *train s* = steady minus the trainer's wait for a batch (for sync rows, minus
+the generation). The configurations are interleaved within each repeat so that background load hits
+them alike; a speed-up is the median (and range) of the per-repeat ratios of the baseline's steady
+time to the row's, against sync with 1 thread and with 2 threads. The second table compares the BRACE
+and GAE value targets: the step times (whose difference is machine noise) and the value-target kernel
+time (``time/value_target_ms``), whose difference is BRACE's overhead.
 """
 
 from __future__ import annotations
@@ -127,6 +132,10 @@ def run_once(config: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
     return {
         "steady": (clock.ends[-1] - clock.ends[0]) / (len(clock.ends) - 1),
         "fit": fit,
+        "generate": mean("data/generate_s"),
+        "trainer_wait": mean("data/trainer_idle_s")
+        if config["kind"] == "async"
+        else mean("data/generate_s"),
         "staleness": mean("data/staleness_mean"),
         "trainer_idle": mean("data/trainer_idle_fraction"),
         "producer_idle": mean("data/producer_idle_fraction"),
@@ -154,7 +163,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--only", nargs="*", default=None, help="run only these rows")
     args = parser.parse_args()
@@ -169,39 +178,52 @@ def main() -> None:
     def median(name: str, key: str) -> float:
         return statistics.median(r[key] for r in results[name])
 
+    def speedup(name: str, baseline: str) -> str:
+        """Median and range of the per-repeat ratios baseline / row (the two ran back to back)."""
+        if baseline not in results:
+            return "-"
+        ratios = [
+            b["steady"] / r["steady"] for b, r in zip(results[baseline], results[name], strict=True)
+        ]
+        return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+
     samples = 16 * 4
-    base = median(names[0], "steady") if names[0] == "sync, 1 thread" else float("nan")
     print(
         f"\n{args.steps} rollout steps x {samples} samples x {args.tokens} tokens, tiny Qwen2 "
-        f"(hidden {args.hidden}, {args.layers} layer(s)), medians of {args.repeats} runs\n"
+        f"(hidden {args.hidden}, {args.layers} layer(s)), medians of {args.repeats} runs "
+        "(speed-ups: median and range of the per-repeat ratios)\n"
     )
     print(
-        "| configuration | steady s/step | samples/s | speed-up vs sync | fit s | staleness "
-        "| trainer idle | producer idle |"
+        "| configuration | steady s/step | samples/s | speed-up vs sync 1 thread "
+        "| vs sync 2 threads | fit s | generate s | train s | staleness | trainer idle "
+        "| producer idle |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in names:
         if "GAE" in name:
             continue
         steady = median(name, "steady")
         print(
-            f"| {name} | {steady:.3f} | {samples / steady:.0f} | {base / steady:.2f}x | "
-            f"{median(name, 'fit'):.1f} | {median(name, 'staleness'):.2f} | "
+            f"| {name} | {steady:.3f} | {samples / steady:.0f} | "
+            f"{speedup(name, 'sync, 1 thread')} | {speedup(name, 'sync, 2 threads')} | "
+            f"{median(name, 'fit'):.1f} | {median(name, 'generate'):.3f} | "
+            f"{steady - median(name, 'trainer_wait'):.3f} | {median(name, 'staleness'):.2f} | "
             f"{median(name, 'trainer_idle'):.2f} | {median(name, 'producer_idle'):.2f} |"
         )
     pairs = [("async S=2", "async S=2, GAE"), ("sync, 1 thread", "sync, 1 thread, GAE")]
     pairs = [(b, g) for b, g in pairs if b in results and g in results]
     if pairs:
         print(
-            "\n| rollouts | BRACE s/step | GAE s/step | step overhead | BRACE target ms | GAE target ms |"
+            "\n| rollouts | BRACE s/step | GAE s/step | step difference | BRACE target ms "
+            "| GAE target ms | target overhead (% of step) |"
         )
-        print("|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|")
         for brace_name, gae_name in pairs:
             b, g = median(brace_name, "steady"), median(gae_name, "steady")
+            b_ms, g_ms = median(brace_name, "value_target_ms"), median(gae_name, "value_target_ms")
             print(
-                f"| {brace_name} | {b:.3f} | {g:.3f} | {100 * (b / g - 1):+.1f}% | "
-                f"{median(brace_name, 'value_target_ms'):.2f} | "
-                f"{median(gae_name, 'value_target_ms'):.2f} |"
+                f"| {brace_name} | {b:.3f} | {g:.3f} | {100 * (b / g - 1):+.1f}% | {b_ms:.2f} | "
+                f"{g_ms:.2f} | {100 * (b_ms - g_ms) / (1e3 * b):.2f}% |"
             )
 
 

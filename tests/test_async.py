@@ -191,6 +191,10 @@ def test_staleness_bound_and_conservation_under_random_timing(
             mixed = batch.versions.amax(dim=1) != batch.min_versions()
             mixed_rows += int(mixed.sum())
             assert batch.info["mixed_version_fraction"] == float(mixed.float().mean())
+            assert batch.info["generate_s"] > 0 and batch.info["gen_tokens_per_s"] > 0
+            assert 0.0 <= batch.info["trainer_idle_fraction"] <= 1.0
+            assert 0.0 <= batch.info["producer_idle_fraction"] <= 1.0
+            assert step == 0 or batch.info["train_tokens_per_s"] > 0
             assert_conserved(dm, batch)
             time.sleep(rng.uniform(0.0, 0.003))  # training
             if step >= warmup:  # critic warm-up steps publish nothing

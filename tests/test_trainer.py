@@ -96,6 +96,9 @@ def test_explained_variance_is_nan_without_target_spread_and_versions_are_logged
     assert all(math.isfinite(v) and v <= 1.0 for _, v in spread["critic/explained_variance"])
     # the trainer's version when each batch was consumed: 0 before the first update, then 1
     assert [value for _, value in spread["data/trainer_version"]] == [0.0, 1.0]
+    # generation time and throughput of every rollout batch, as the async producer logs them
+    assert all(value > 0 for _, value in spread["data/generate_s"])
+    assert all(value > 0 for _, value in spread["data/gen_tokens_per_s"])
 
 
 @pytest.mark.slow
