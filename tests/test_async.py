@@ -30,6 +30,7 @@ from brace_lightning.models.sources import load_actor
 from brace_lightning.rollout import EmbeddedEngine
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.rollout.workers import WeightSlots
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from tests.test_trainer import (
@@ -191,6 +192,8 @@ def test_staleness_bound_and_conservation_under_random_timing(
             mixed = batch.versions.amax(dim=1) != batch.min_versions()
             mixed_rows += int(mixed.sum())
             assert batch.info["mixed_version_fraction"] == float(mixed.float().mean())
+            # every token was drawn with the weights of the version it records (no torn slot)
+            assert (batch.behavior_logprobs[batch.mask] == actions.float()).all()
             assert batch.info["generate_s"] > 0 and batch.info["gen_tokens_per_s"] > 0
             assert 0.0 <= batch.info["trainer_idle_fraction"] <= 1.0
             assert 0.0 <= batch.info["producer_idle_fraction"] <= 1.0
@@ -267,6 +270,10 @@ def test_a_failing_producer_and_a_bad_publish_raise_clear_errors():
         dm.next_batch()
         with pytest.raises(ValueError, match=r"publish got weights with missing keys \['bias'\]"):
             dm.publish({"weight": torch.zeros(2, 2)}, 1)
+        with pytest.raises(
+            ValueError, match=r"publish got weight of shape \(3,\); expected \(2, 2\)"
+        ):
+            dm.publish({"weight": torch.zeros(3), "bias": torch.zeros(2)}, 1)
         with pytest.raises(ValueError, match=r"publish got version=0; expected a version above"):
             dm.publish(weights_of(0), 0)
         dm.publish(weights_of(1), 1)
@@ -277,6 +284,58 @@ def test_a_failing_producer_and_a_bad_publish_raise_clear_errors():
         ):
             dm.next_batch()
         assert dm._handle is None  # stopped
+    finally:
+        dm.teardown("fit")
+
+
+class HooklessEngine(FakeEngine):
+    """A FakeEngine whose ``generate`` takes no ``on_step`` hook (weights change between batches)."""
+
+    def generate(self, prompts: list[list[int]], *, num_samples: int = 1) -> GenerationOutput:
+        return super().generate(prompts, num_samples=num_samples)
+
+
+def test_weight_slots_copy_into_reused_buffers_and_refuse_double_frees():
+    source = weights_of(1)
+    for shared in (False, True):
+        slots = WeightSlots(source, 2, shared=shared)
+        assert all(t.is_shared() == shared for slot in slots.tensors for t in slot.values())
+        first = slots.fill(source)
+        source["weight"].fill_(5.0)  # the slot holds a copy, not the trainer's tensor
+        assert (slots.tensors[first]["weight"] == 1.0).all()
+        second = slots.fill(source)
+        assert {first, second} == {0, 1} and not slots.has_free
+        slots.release(first)
+        pointer = slots.tensors[first]["weight"].data_ptr()
+        assert slots.fill(weights_of(7)) == first  # the same memory is refilled in place
+        assert slots.tensors[first]["weight"].data_ptr() == pointer
+        assert (slots.tensors[first]["weight"] == 7.0).all()
+        slots.release(second)
+        with pytest.raises(AssertionError, match="freed twice"):
+            slots.release(second)
+        source = weights_of(1)
+
+
+def test_publishing_faster_than_a_hookless_engine_waits_for_a_free_slot():
+    # S = 4 in async mode uses 3 slots; an engine without decoding-step hooks frees them only
+    # between batches, so six quick publishes must wait for the running batch to end.
+    dm = fake_module(partial(HooklessEngine, length=30, max_delay=0.01), max_staleness=4)
+    waits: list[str] = []
+    wait = dm._wait
+    dm._wait = lambda done, doing: (waits.append(doing), wait(done, doing))  # type: ignore[method-assign]
+    try:
+        dm.next_batch()
+        for version in range(1, 7):
+            dm.publish(weights_of(version), version)
+        assert dm._slots is not None and len(dm._slots.tensors) == 3
+        assert any(doing.startswith("waiting for a free weight slot") for doing in waits)
+        for _ in range(6):
+            batch = dm.next_batch()
+            actions = batch.versions[batch.mask]
+            assert (batch.behavior_logprobs[batch.mask] == actions.float()).all()
+            assert_conserved(dm, batch)
+        assert int(batch.versions[batch.mask].max()) == 6  # the newest weights arrived
+        assert batch.info["trainer_idle_fraction"] > 0  # the publishes that waited count as idle
     finally:
         dm.teardown("fit")
 
@@ -348,6 +407,21 @@ def test_cli_engine_factories_are_unwrapped_for_the_producer(tmp_path):
 # ---------------------------------------------------------------------------- real producers (slow)
 
 
+class UpdateFailsAt(EmbeddedEngine):
+    """An embedded engine whose weight update fails from version ``fail_at_version`` on."""
+
+    def __init__(self, model: nn.Module, *, fail_at_version: int, **kwargs) -> None:
+        super().__init__(model, **kwargs)
+        self.fail_at_version = fail_at_version
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        if version >= self.fail_at_version:
+            raise ValueError(
+                f"update_weights got version {version}, which this test engine refuses"
+            )
+        super().update_weights(weights, version)
+
+
 def tiny_module(**kwargs) -> tuple[AsyncRolloutDataModule, nn.Module]:
     tokenizer = load_tokenizer("tiny-char")
     actor = load_actor("tiny-char", tokenizer=tokenizer, hidden_size=64, num_layers=1)
@@ -375,7 +449,12 @@ def test_producer_processes_fail_loudly_within_the_timeout():
     """Three producers started together: killed, hung (SIGSTOP) and a failing weight update."""
     killed, actor = tiny_module(max_staleness=0)
     hung, _ = tiny_module(max_staleness=0, producer_timeout=2.0)
-    noisy, _ = tiny_module(max_staleness=1, interruptible=True, producer_threads=2)
+    noisy, _ = tiny_module(
+        max_staleness=1,
+        interruptible=True,
+        producer_threads=2,
+        engine=partial(UpdateFailsAt, max_new_tokens=8, fail_at_version=7),
+    )
     modules = (killed, hung, noisy)
     try:
         for dm in modules:
@@ -413,7 +492,10 @@ def test_producer_processes_fail_loudly_within_the_timeout():
         assert gone(pid)  # the stopped process was killed, not left behind
 
         bad = {name: torch.zeros(3) for name in actor.state_dict()}
-        noisy.publish(bad, 7)
+        with pytest.raises(ValueError, match=r"^publish got \S+ of shape \(3,\); expected \("):
+            noisy.publish(bad, 7)  # refused in the trainer: the producer keeps running
+        noisy.next_batch()
+        noisy.publish(actor.state_dict(), 7)  # the engine's update_weights fails from version 7 on
         with pytest.raises(
             RuntimeError,
             match=r"^the rollout producer failed while installing the weights of version 7: "

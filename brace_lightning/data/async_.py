@@ -60,7 +60,6 @@ from brace_lightning.checks import require_int
 from brace_lightning.data.sync import (
     COUNTERS,
     EngineFactory,
-    _cpu_copy,
     _RolloutStream,
     gather_rank_states,
     rank_state,
@@ -76,6 +75,7 @@ from brace_lightning.rollout.workers import (
     ProducerHandle,
     ProducerSpec,
     RolloutRequest,
+    WeightSlots,
     build_engine,
     decode_batch,
     portable_factory,
@@ -202,7 +202,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self._engine_state: dict[str, Any] | None = None  # after the last received batch
         self._handle: ProducerHandle | None = None
         self._started = False
-        self._weight_keys: frozenset[str] = frozenset()
+        self._slots: WeightSlots | None = None  # the producer's weight slots while it runs
         self._first_return: float | None = None  # idle fractions count from the first batch on
         self._trainer_idle_total = 0.0
         self._producer_idle_total = 0.0
@@ -318,9 +318,12 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             self._spawn(actor)
         assert self._handle is not None
         # Under FSDP every rank takes part in the gather and gets the full weights.
-        weights = _cpu_copy(full_state_dict(actor) if is_sharded(actor) else actor.state_dict())
-        self._weight_keys = frozenset(weights)
-        self._handle.send(("init", self.trainer_version, weights, self._engine_state))
+        weights = full_state_dict(actor) if is_sharded(actor) else actor.state_dict()
+        self._slots = WeightSlots(weights, self._slot_count(), shared=self.producer == "process")
+        slot = self._slots.fill(weights)
+        self._handle.send(
+            ("init", self.trainer_version, self._slots.tensors, slot, self._engine_state)
+        )
         self._started = True
         self._first_return = self._last_return = None
         self._trainer_idle_total = self._producer_idle_total = 0.0
@@ -340,6 +343,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         in-flight ones dropped."""
         handle, self._handle = self._handle, None
         self._started = False
+        self._slots = None
         if handle is None:
             return
         for message in handle.stop(grace):
@@ -369,21 +373,33 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
                 f"({self.trainer_version})."
             )
         if self._started:
-            assert self._handle is not None
-            keys = frozenset(weights)
-            if keys != self._weight_keys:
-                missing = sorted(self._weight_keys - keys)[:8]
-                unexpected = sorted(keys - self._weight_keys)[:8]
-                raise ValueError(
-                    f"publish got weights with missing keys {missing} and unexpected keys "
-                    f"{unexpected}; expected the keys of the actor's state_dict()."
-                )
+            assert self._handle is not None and self._slots is not None
+            slots = self._slots
+            slots.check(weights)
             self._pump(0)
             self._check_health(f"publishing version {version}")
-            self._handle.send(("weights", version, _cpu_copy(weights)))
+            if not slots.has_free:  # an engine without decoding-step hooks frees slots per batch
+                entered = time.monotonic()
+                self._wait(
+                    lambda: slots.has_free, f"waiting for a free weight slot for version {version}"
+                )
+                if self._first_return is not None:
+                    self._trainer_idle_total += time.monotonic() - entered
+            self._handle.send(("weights", version, slots.fill(weights)))
         self.trainer_version = version
         if self._started:
             self._grant()
+
+    def _slot_count(self) -> int:
+        """Weight slots the producer can hold without making the trainer wait.
+
+        In fixed lag mode up to S versions queue behind the one being generated with; in async mode
+        the producer frees a staged version as soon as a newer one arrives (at every decoding step of
+        a hooked engine), so three slots suffice: installed-from, staged, being filled.
+        """
+        if self.lag_mode == "fixed":
+            return self.max_staleness + 2
+        return min(self.max_staleness + 2, 3)
 
     def _grant(self) -> None:
         """Request every batch admissible now that ``_consumed`` steps are complete."""
@@ -409,6 +425,9 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             assert self._handle is not None
             self._handle.ready = True
             self.producer_info = {"pid": int(message[1]), "torch_threads": int(message[2])}
+        elif tag == "free":
+            if self._slots is not None:  # None: a message from a stopped producer
+                self._slots.release(int(message[1]))
         elif tag == "batch":
             _, index, payload = message
             state, engine_state = decode_batch(payload)

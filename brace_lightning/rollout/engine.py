@@ -119,7 +119,11 @@ class RolloutEngine(ABC):
 
     @abstractmethod
     def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """Install the actor's weights (a full state dict) as policy ``version``."""
+        """Install the actor's weights (a full state dict) as policy ``version``.
+
+        The tensors belong to the caller and may be overwritten with another version once this
+        returns (producers reuse their weight slots): copy what the engine keeps.
+        """
 
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process engines
         """Release resources (processes, servers); the default does nothing."""

@@ -9,18 +9,24 @@ the trainer has sent it, scoring completions with the reward function and paddin
 
 Protocol (two FIFO queues; tuples tagged by their first item)::
 
-    trainer → producer   ("init", version, weights, engine_state)  first: weights and RNG state
-                         ("weights", version, weights)              a new policy version
-                         ("request", RolloutRequest)                generate one rollout batch
-                         ("stop",)                                  exit now, drop in-flight work
+    trainer → producer   ("init", version, slots, slot, engine_state)  first: the weight slots, the
+                                                       one holding ``version``, the RNG state
+                         ("weights", version, slot)    slot ``slot`` now holds a new policy version
+                         ("request", RolloutRequest)   generate one rollout batch
+                         ("stop",)                     exit now, drop in-flight work
     producer → trainer   ("ready", pid, torch_threads)
-                         ("batch", index, payload)    payload: torch.save bytes of
-                                                      (batch_state, engine_state), see decode_batch
+                         ("free", slot)                the engine installed (or skipped) that slot
+                         ("batch", index, payload)     payload: torch.save bytes of
+                                                       (batch_state, engine_state), see decode_batch
                          ("error", what it was doing, traceback)
 
-Weights travel as shared-memory tensors (no copy through the pipe). Batches travel as bytes: a
-tensor shared by file descriptor can only be received while its sender is alive, and a batch must
-stay readable after its producer died.
+Weights travel through :class:`WeightSlots`: a few CPU copies of the actor's state dict, allocated
+once (in shared memory for a process producer) and sent once with ``"init"``. Publishing a version
+copies the weights into a free slot and sends the slot's index; the producer frees the slot once its
+engine has installed it, or once a newer version superseded it. A fresh copy per version would cost
+mostly page faults of new memory, several times the copy itself. Batches travel as bytes: a tensor
+shared by file descriptor can only be received while its sender is alive, and a batch must stay
+readable after its producer died.
 
 Which weights serve a request:
 
@@ -31,8 +37,8 @@ Which weights serve a request:
   with ``interruptible=True``, between decoding steps (engines whose ``generate`` takes an ``on_step``
   hook), so one response may carry several versions, recorded per token.
 
-A spawned producer builds its engine from the actor's Hugging Face config and receives the weights
-as a CPU state dict (the LightningModule is never pickled). It uses ``torch_threads`` threads,
+A spawned producer builds its engine from the actor's Hugging Face config and reads the weights from
+the shared-memory slots (the LightningModule is never pickled). It uses ``torch_threads`` threads,
 ignores SIGINT (the trainer stops it: Ctrl-C reaches the whole process group), and exits on its own
 when the training process disappears. It beats a heartbeat at every decoding step and while idle, so
 the trainer tells a hung producer from a slow one.
@@ -212,6 +218,70 @@ class _HookedEngine(RolloutEngine):
         self.engine.update_weights(weights, version)
 
 
+class WeightSlots:
+    """Reusable CPU copies of a state dict that carry policy versions to a producer.
+
+    The trainer owns the slots: :meth:`fill` copies weights into a free one, :meth:`release` takes
+    it back when the producer reports it free. A slot's tensors are written only while it is free, so
+    the producer never reads a half-written version.
+
+    Args:
+        weights: the actor's state dict (names, shapes and dtypes of the slots).
+        count: number of slots (at least 1).
+        shared: allocate in shared memory (for a spawned producer).
+    """
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], count: int, *, shared: bool) -> None:
+        if count < 1:
+            raise ValueError(f"WeightSlots needs count >= 1; got {count}.")
+        self.tensors: list[dict[str, torch.Tensor]] = []
+        for _ in range(count):
+            slot = {
+                name: torch.empty(tuple(value.shape), dtype=value.dtype)
+                for name, value in weights.items()
+            }
+            if shared:
+                for tensor in slot.values():
+                    tensor.share_memory_()
+            self.tensors.append(slot)
+        self._free = deque(range(count))
+
+    @property
+    def has_free(self) -> bool:
+        return bool(self._free)
+
+    def check(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Raise ``ValueError`` unless ``weights`` has the slots' names and shapes."""
+        expected = self.tensors[0]
+        missing = sorted(set(expected) - set(weights))[:8]
+        unexpected = sorted(set(weights) - set(expected))[:8]
+        if missing or unexpected:
+            raise ValueError(
+                f"publish got weights with missing keys {missing} and unexpected keys "
+                f"{unexpected}; expected the keys of the actor's state_dict()."
+            )
+        for name, value in weights.items():
+            if tuple(value.shape) != tuple(expected[name].shape):
+                raise ValueError(
+                    f"publish got {name} of shape {tuple(value.shape)}; expected "
+                    f"{tuple(expected[name].shape)}, the shape of the actor's state_dict()."
+                )
+
+    def fill(self, weights: Mapping[str, torch.Tensor]) -> int:
+        """Copy ``weights`` into a free slot (there must be one) and return its index."""
+        self.check(weights)
+        index = self._free.popleft()
+        with torch.no_grad():
+            for name, tensor in self.tensors[index].items():
+                tensor.copy_(weights[name].detach())
+        return index
+
+    def release(self, index: int) -> None:
+        if index in self._free or not 0 <= index < len(self.tensors):
+            raise AssertionError(f"weight slot {index} was freed twice or does not exist")
+        self._free.append(index)
+
+
 class Producer:
     """The producer's loop (runs in a spawned process or a thread); see the module docstring.
 
@@ -243,7 +313,8 @@ class Producer:
         self.heartbeat = heartbeat
         self.parent_pid = parent_pid
         self._inbox: deque[tuple] = deque()  # requests (and, with exact versions, weights) in order
-        self._staged: tuple[int, Mapping[str, torch.Tensor]] | None = None  # newest weights (async)
+        self._slots: list[dict[str, torch.Tensor]] = []  # WeightSlots.tensors, sent with "init"
+        self._staged: tuple[int, int] | None = None  # (version, slot) of the newest weights (async)
         self._idle_since = time.monotonic()
         self._doing = "waiting for the first command"
 
@@ -292,20 +363,23 @@ class Producer:
             if tag == "stop":
                 raise _Stop
             if tag == "init":
-                _, version, weights, engine_state = command
+                _, version, self._slots, slot, engine_state = command
                 if engine_state is not None:
                     self._doing = "restoring the engine state"
                     self.engine.load_state_dict(engine_state)
-                command = ("weights", version, weights)
+                command = ("weights", version, slot)
                 tag = "weights"
             if tag == "weights" and not self.spec.exact_versions:
-                self._staged = (command[1], command[2])  # only the newest weights matter
+                if self._staged is not None:  # only the newest weights matter
+                    self.results.put(("free", self._staged[1]))
+                self._staged = (command[1], command[2])
             else:
                 self._inbox.append(command)
 
-    def _install(self, version: int, weights: Mapping[str, torch.Tensor]) -> None:
+    def _install(self, version: int, slot: int) -> None:
         self._doing = f"installing the weights of version {version}"
-        self.engine.update_weights(weights, version)
+        self.engine.update_weights(self._slots[slot], version)  # engines copy what they keep
+        self.results.put(("free", slot))
         self._doing = f"idle with the weights of version {version}"
 
     def _beat(self) -> None:
@@ -317,10 +391,10 @@ class Producer:
         """Between decoding steps: heartbeat, stop requests and (interruptible) newer weights."""
         self._receive(block=False)
         if self.spec.interruptible and self._staged is not None:
-            version, weights = self._staged
+            version, slot = self._staged
             self._staged = None
             doing = self._doing
-            self._install(version, weights)
+            self._install(version, slot)
             self._doing = doing
 
     # ------------------------------------------------------------------ generation
