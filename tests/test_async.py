@@ -8,6 +8,7 @@ embedded engine and the tiny model.
 from __future__ import annotations
 
 import os
+import platform
 import random
 import signal
 import subprocess
@@ -618,3 +619,16 @@ def test_ctrl_c_stops_the_producer_process(tmp_path):
             process.kill()
         if pid is not None and not gone(pid):
             os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
+    reason="mallopt is glibc's",
+)
+def test_a_producer_process_can_fix_glibcs_malloc_thresholds():
+    # in a fresh interpreter, as a producer process would: glibc accepts both thresholds
+    code = (
+        "from brace_lightning.rollout.workers import keep_freed_memory; print(keep_freed_memory())"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "True"
