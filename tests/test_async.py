@@ -625,10 +625,28 @@ def test_ctrl_c_stops_the_producer_process(tmp_path):
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
     reason="mallopt is glibc's",
 )
-def test_a_producer_process_can_fix_glibcs_malloc_thresholds():
-    # in a fresh interpreter, as a producer process would: glibc accepts both thresholds
-    code = (
-        "from brace_lightning.rollout.workers import keep_freed_memory; print(keep_freed_memory())"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "True"
+def test_a_producer_process_keeps_an_8_mib_block_in_its_heap_instead_of_mmap():
+    # in a fresh interpreter, as a producer process starts: glibc would map an 8 MiB block (and
+    # unmap it on free) until keep_freed_memory() fixes its threshold at 32 MiB
+    code = """
+import ctypes, sys
+from brace_lightning.rollout.workers import keep_freed_memory
+class Info(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+if sys.argv[1] == "fixed":
+    assert keep_freed_memory()
+before = libc.mallinfo2().hblkhd
+block = ctypes.create_string_buffer(8 << 20)
+print(libc.mallinfo2().hblkhd - before)
+"""
+
+    def mapped_bytes(mode: str) -> int:
+        run = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return int(run.stdout)
+
+    assert mapped_bytes("default") >= 8 << 20
+    assert mapped_bytes("fixed") == 0
