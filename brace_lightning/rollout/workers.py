@@ -452,7 +452,7 @@ def keep_freed_memory() -> bool:
     cache). A fresh process serves them from ``mmap`` and returns the freed top of its heap to the
     system, so every step pays page faults again; a training process has long raised glibc's dynamic
     thresholds by freeing larger tensors. Fixing the thresholds gives the producer that state from
-    the start: on the 2-core benchmark machine the producer generated 40-80% slower without it
+    the start: on the 2-core benchmark machine the producer generated 40-65% slower without it
     (``benchmarks/async_speedup.py``, generate s of async S = 0 against sync).
     """
     try:
