@@ -14,7 +14,6 @@ generated = trained + dropped (by reason); this module buffers nothing between s
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -270,7 +269,6 @@ class RolloutDataModule(pl.LightningDataModule):
         """Generate, score and staleness-check one rollout batch."""
         engine = self._ensure_engine()
         prompts = self.task.sample(self.prompts_per_step, self._generator)
-        start = time.monotonic()
         batch = collect_batch(
             engine,
             prompts,
@@ -279,10 +277,6 @@ class RolloutDataModule(pl.LightningDataModule):
             env=self.env,
             num_samples=self.samples_per_prompt,
             group_id_offset=self._next_group,
-        )
-        seconds = time.monotonic() - start
-        batch.info.update(
-            generate_s=seconds, gen_tokens_per_s=batch.num_actions / max(seconds, 1e-9)
         )
         self._next_group += len(prompts)
         generated = len(prompts) * self.samples_per_prompt

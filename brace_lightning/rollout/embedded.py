@@ -39,7 +39,7 @@ from brace_lightning.rollout.engine import (
     RolloutEngine,
     check_generate_args,
     check_sampling_args,
-    check_state_keys,
+    check_state_dict,
 )
 
 
@@ -137,14 +137,7 @@ class EmbeddedEngine(RolloutEngine):
         """
         if version < 0:
             raise ValueError(f"update_weights got version={version}; expected an integer >= 0.")
-        expected = self._model.state_dict()
-        check_state_keys(weights, expected)
-        for name, tensor in weights.items():
-            if tuple(tensor.shape) != tuple(expected[name].shape):
-                raise ValueError(
-                    f"update_weights got {name} of shape {tuple(tensor.shape)}; expected "
-                    f"{tuple(expected[name].shape)}."
-                )
+        check_state_dict(weights, self._model.state_dict())
         with torch.no_grad():
             self._model.load_state_dict(weights, strict=True)
         self._version = int(version)

@@ -187,14 +187,32 @@ def check_generate_args(
             )
 
 
-def check_state_keys(weights: Mapping[str, torch.Tensor], expected: Iterable[str]) -> None:
-    """Raise one sentence when ``weights`` does not have exactly the actor's state-dict keys."""
+def check_state_keys(
+    weights: Mapping[str, torch.Tensor], expected: Iterable[str], caller: str = "update_weights"
+) -> None:
+    """Raise one sentence (naming ``caller``) when ``weights`` does not have exactly the actor's
+    state-dict keys."""
     keys = set(expected)
     missing = sorted(keys - set(weights))
     unexpected = sorted(set(weights) - keys)
     if missing or unexpected:
         raise ValueError(
-            f"update_weights got a state dict with missing keys {missing[:8]} and unexpected keys "
+            f"{caller} got weights with missing keys {missing[:8]} and unexpected keys "
             f"{unexpected[:8]} ({len(missing)} and {len(unexpected)} in all); expected exactly the "
             "keys of the actor's state_dict()."
         )
+
+
+def check_state_dict(
+    weights: Mapping[str, torch.Tensor],
+    expected: Mapping[str, torch.Tensor],
+    caller: str = "update_weights",
+) -> None:
+    """:func:`check_state_keys`, then one sentence for the first tensor whose shape differs."""
+    check_state_keys(weights, expected, caller)
+    for name, tensor in weights.items():
+        if tuple(tensor.shape) != tuple(expected[name].shape):
+            raise ValueError(
+                f"{caller} got {name} of shape {tuple(tensor.shape)}; expected "
+                f"{tuple(expected[name].shape)}, the shape of the actor's state_dict()."
+            )

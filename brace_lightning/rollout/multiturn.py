@@ -29,6 +29,7 @@ drop the sample and are counted.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -256,9 +257,14 @@ def collect_batch(
     group_id_offset: int = 0,
 ) -> RolloutBatch:
     """One rollout batch: multi-turn episodes in ``env`` when it is set (scored by its verifier),
-    else single-turn responses scored by ``reward`` (:func:`collect_rollouts`)."""
+    else single-turn responses scored by ``reward`` (:func:`collect_rollouts`).
+
+    ``batch.info`` gets the batch's wall time (``generate_s``: generation, tools and scoring) and
+    ``gen_tokens_per_s`` (generated action tokens per second).
+    """
+    start = time.monotonic()
     if env is not None:
-        return collect_episodes(
+        batch = collect_episodes(
             engine,
             prompts,
             tokenizer,
@@ -266,10 +272,19 @@ def collect_batch(
             num_samples=num_samples,
             group_id_offset=group_id_offset,
         )
-    assert reward is not None, "the data modules check that reward or env is set"
-    return collect_rollouts(
-        engine, prompts, tokenizer, reward, num_samples=num_samples, group_id_offset=group_id_offset
-    )
+    else:
+        assert reward is not None, "the data modules check that reward or env is set"
+        batch = collect_rollouts(
+            engine,
+            prompts,
+            tokenizer,
+            reward,
+            num_samples=num_samples,
+            group_id_offset=group_id_offset,
+        )
+    seconds = time.monotonic() - start
+    batch.info.update(generate_s=seconds, gen_tokens_per_s=batch.num_actions / max(seconds, 1e-9))
+    return batch
 
 
 def check_reward_or_env(reward: RewardFunction | None, env: ToolEnvironment | None) -> None:

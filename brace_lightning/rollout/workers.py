@@ -73,7 +73,12 @@ from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.sources import load_tokenizer
 from brace_lightning.rollout.buffer import batch_to_state
 from brace_lightning.rollout.embedded import EmbeddedEngine
-from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine, accepts_extra_stops
+from brace_lightning.rollout.engine import (
+    GenerationOutput,
+    RolloutEngine,
+    accepts_extra_stops,
+    check_state_dict,
+)
 from brace_lightning.rollout.multiturn import collect_batch
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
@@ -252,25 +257,12 @@ class WeightSlots:
         return bool(self._free)
 
     def check(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Raise ``ValueError`` unless ``weights`` has the slots' names and shapes."""
-        expected = self.tensors[0]
-        missing = sorted(set(expected) - set(weights))[:8]
-        unexpected = sorted(set(weights) - set(expected))[:8]
-        if missing or unexpected:
-            raise ValueError(
-                f"publish got weights with missing keys {missing} and unexpected keys "
-                f"{unexpected}; expected the keys of the actor's state_dict()."
-            )
-        for name, value in weights.items():
-            if tuple(value.shape) != tuple(expected[name].shape):
-                raise ValueError(
-                    f"publish got {name} of shape {tuple(value.shape)}; expected "
-                    f"{tuple(expected[name].shape)}, the shape of the actor's state_dict()."
-                )
+        """Raise ``ValueError`` (from ``publish``) unless ``weights`` has the slots' names and shapes."""
+        check_state_dict(weights, self.tensors[0], caller="publish")
 
     def fill(self, weights: Mapping[str, torch.Tensor]) -> int:
-        """Copy ``weights`` into a free slot (there must be one) and return its index."""
-        self.check(weights)
+        """Copy ``weights`` (which passed :meth:`check`, or made the slots) into a free slot (there
+        must be one) and return its index."""
         index = self._free.popleft()
         with torch.no_grad():
             for name, tensor in self.tensors[index].items():
@@ -408,8 +400,7 @@ class Producer:
                 f"engine holds version {version} (a bug in the producer's command order)."
             )
         self._doing = f"generating rollout batch {request.index} with version {version}"
-        start = time.monotonic()
-        idle = start - self._idle_since
+        idle = time.monotonic() - self._idle_since
         batch = collect_batch(
             _HookedEngine(self.engine, self._on_step),
             request.prompts,
@@ -419,13 +410,10 @@ class Producer:
             num_samples=self.spec.samples_per_prompt,
             group_id_offset=request.group_id_offset,
         )
-        seconds = time.monotonic() - start
         batch.info.update(
             temperature=float(self.engine.temperature),
             engine_version=float(self.engine.version),
             producer_idle_s=idle,
-            generate_s=seconds,
-            gen_tokens_per_s=batch.num_actions / max(seconds, 1e-9),
         )
         payload = io.BytesIO()
         torch.save((batch_to_state(batch), self.engine.state_dict()), payload)
