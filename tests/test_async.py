@@ -297,6 +297,8 @@ class HooklessEngine(FakeEngine):
 
 
 def test_weight_slots_copy_into_reused_buffers_and_refuse_double_frees():
+    with pytest.raises(ValueError, match=r"^WeightSlots needs count >= 1; got 0\.$"):
+        WeightSlots(weights_of(1), 0, shared=False)
     source = weights_of(1)
     for shared in (False, True):
         slots = WeightSlots(source, 2, shared=shared)
