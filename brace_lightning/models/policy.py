@@ -12,6 +12,8 @@ at column t comes from the logits at column t − 1 and is stored at column t.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, Qwen2Config
 
@@ -117,7 +119,9 @@ def load_causal_lm(
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)
-            return AutoModelForCausalLM.from_config(source, **kwargs).eval()
+            # from_config keeps the config object and writes the attention choice into it: a copy
+            # leaves the caller's config, and models built from it earlier, untouched.
+            return AutoModelForCausalLM.from_config(copy.deepcopy(source), **kwargs).eval()
     if not isinstance(source, str):
         raise ValueError(
             f"load_causal_lm got source of type {type(source).__name__}; expected a path, a hub name "
