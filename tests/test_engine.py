@@ -407,3 +407,82 @@ def test_max_logprob_gap_measures_engine_trainer_mismatch(actor, config):
     assert batch.mask.sum() == sum(len(r) for r in out.response_ids)
     assert max_logprob_gap(actor, batch) < 1e-4
     assert max_logprob_gap(load_causal_lm(config, seed=5), batch) > 1e-2
+
+
+def test_inverse_cdf_draws_follow_the_distribution_and_skip_zero_mass(actor):
+    engine = EmbeddedEngine(actor, seed=0)
+    probs = torch.tensor([0.0, 0.5, 0.0, 0.2, 0.3, 0.0])
+    draws = engine._draw(probs.expand(40_000, -1))
+    counts = torch.bincount(draws, minlength=len(probs)).double()
+    assert counts[probs == 0].sum() == 0
+    expected = 40_000 * probs.double()
+    sigma = (expected * (1 - probs.double())).sqrt()
+    assert ((counts - expected).abs() <= 5 * sigma).all()
+    # A row whose mass sits on one index always draws it, wherever that index is.
+    for index in (0, 5):
+        point = torch.zeros(1_000, 6)
+        point[:, index] = 1.0
+        assert (engine._draw(point) == index).all()
+
+
+def test_preallocated_cache_layer_appends_like_concatenation():
+    from brace_lightning.rollout.embedded import _PreallocatedLayer
+
+    layer = _PreallocatedLayer(capacity=7)
+    chunks = [torch.randn(2, 3, length, 4) for length in (4, 1, 2)]
+    for i in range(len(chunks)):
+        keys, values = layer.update(chunks[i], -chunks[i])
+        expected = torch.cat(chunks[: i + 1], dim=-2)
+        assert torch.equal(keys, expected) and torch.equal(values, -expected)
+        assert layer.get_seq_length() == expected.shape[-2]
+    with pytest.raises(RuntimeError, match="holds 7 positions; a step needed 8"):
+        layer.update(chunks[1], chunks[1])
+
+
+def test_decoding_padding_mask_matches_the_models_own_mask(config):
+    from brace_lightning.rollout.embedded import _decoding_mask_is_padding, _preallocated_cache
+
+    sdpa = load_causal_lm(config, seed=0, attn_implementation="sdpa")
+    eager = load_causal_lm(config, seed=0, attn_implementation="eager")
+    assert _decoding_mask_is_padding(sdpa, _preallocated_cache(sdpa, 8))
+    assert not _decoding_mask_is_padding(eager, _preallocated_cache(eager, 8))
+    fast = EmbeddedEngine(sdpa, max_new_tokens=12, seed=4, stop_token_ids=[])
+    general = EmbeddedEngine(eager, max_new_tokens=12, seed=4, stop_token_ids=[])
+    a, b = fast.generate(PROMPTS, num_samples=2), general.generate(PROMPTS, num_samples=2)
+    assert a.response_ids == b.response_ids
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-5)
+
+
+def test_sliding_window_layers_keep_the_models_mask(tokenizer):
+    from brace_lightning.rollout.embedded import _decoding_mask_is_padding, _preallocated_cache
+
+    def model(window: int | None):
+        config = tiny_qwen2_config(
+            len(tokenizer), hidden_size=64, num_heads=2, tie_word_embeddings=False
+        )
+        config.initializer_range = 0.1
+        if window is not None:
+            config.use_sliding_window, config.sliding_window = True, window
+            config.layer_types = ["sliding_attention"] * config.num_hidden_layers
+        return load_causal_lm(config, seed=0)
+
+    windowed = model(4)
+    assert not _decoding_mask_is_padding(windowed, _preallocated_cache(windowed, 8))
+    out = EmbeddedEngine(windowed, max_new_tokens=10, seed=2, stop_token_ids=[]).generate(PROMPTS)
+    ids, mask, p = _padded(out)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs(windowed, ids, mask)
+        windowless, _ = token_logprobs(model(None), ids, mask)
+    assert (windowless - logprobs)[:, p:].abs().max() > 1e-2  # the window matters here
+    for i, response in enumerate(out.response_ids):
+        recorded = torch.tensor(out.logprobs[i])
+        assert (recorded - logprobs[i, p : p + len(response)]).abs().max() < 1e-4
+
+
+def test_load_causal_lm_leaves_the_config_alone(config):
+    eager = load_causal_lm(config, seed=0, attn_implementation="eager")
+    sdpa = load_causal_lm(config, seed=0, attn_implementation="sdpa")
+    assert eager.config._attn_implementation == "eager"
+    assert sdpa.config._attn_implementation == "sdpa"
+    assert eager.config is not config
