@@ -1,13 +1,16 @@
 """Wall time of one training run with synchronous versus asynchronous rollouts (and BRACE vs GAE).
 
-    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--tokens 200] [--hidden 32]
+    python -m benchmarks.async_speedup [--steps 16] [--repeats 3] [--prompts 16] [--samples 2]
+                                       [--tokens 200] [--hidden 32] [--layers 1] [--only ROW ...]
 
-Every row trains the same workload: ``--steps`` rollout steps of 16 prompts x 4 samples, responses of
-exactly ``--tokens`` tokens (no stop token, so generation cost does not drift as the policy learns),
-one PPO epoch in two minibatches, the tiny Qwen2 (``--hidden``, ``--layers``), no warm start. The
-defaults (hidden 32, 200 tokens) make generation and training of a step take the same time on one
-core each (the *generate s* and *train s* columns show the balance; at ``--hidden 64`` training is
-the longer phase and bounds the speed-up).
+Every row trains the same workload: ``--steps`` rollout steps of ``--prompts`` prompts x
+``--samples`` samples, responses of exactly ``--tokens`` tokens (no stop token, so generation cost
+does not drift as the policy learns), one PPO epoch in two minibatches, the tiny Qwen2
+(``--hidden``, ``--layers``), no warm start. The defaults make generation and training of a step
+take about the same time on one core each (the *generate s* and *train s* columns show the balance).
+A small model's decoding loop is bound by per-step overhead, so its time hardly depends on the batch
+while training's grows with it: at ``--samples 4`` training is the longer phase and bounds the
+speed-up.
 
 - ``sync``: :class:`RolloutDataModule` (lag 0), generation and training one after the other in the
   training process, with 1 and with 2 torch threads (two threads give both phases both cores).
@@ -90,8 +93,8 @@ def run_once(config: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
         task=ArithmeticTask(),
         reward=ArithmeticReward(),
         engine=engine,
-        prompts_per_step=16,
-        samples_per_prompt=4,
+        prompts_per_step=args.prompts,
+        samples_per_prompt=args.samples,
     )
     if config["kind"] == "sync":
         datamodule = RolloutDataModule(**common, lag=0)
@@ -162,6 +165,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--samples", type=int, default=2)
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--hidden", type=int, default=32)
     parser.add_argument("--layers", type=int, default=1)
@@ -187,7 +192,7 @@ def main() -> None:
         ]
         return f"{statistics.median(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
 
-    samples = 16 * 4
+    samples = args.prompts * args.samples
     print(
         f"\n{args.steps} rollout steps x {samples} samples x {args.tokens} tokens, tiny Qwen2 "
         f"(hidden {args.hidden}, {args.layers} layer(s)), medians of {args.repeats} runs "
