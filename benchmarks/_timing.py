@@ -1,7 +1,9 @@
-"""Shared helpers for the benchmark scripts: medians of repeated runs and peak extra memory."""
+"""Shared helpers for the benchmark scripts: medians of repeated runs, peak extra memory and the
+argparse types of their size and count options."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 import subprocess
@@ -11,6 +13,21 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a count option: an integer >= 1."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1; got {text!r}")
+    return int(text)
+
+
+def model_size(text: str) -> tuple[int, int]:
+    """argparse type of a tiny Qwen2 size ``HIDDENxLAYERS`` such as ``64x1``."""
+    hidden, _, layers = text.partition("x")
+    if not (hidden.isdigit() and layers.isdigit() and int(hidden) > 0 and int(layers) > 0):
+        raise argparse.ArgumentTypeError(f"expected HIDDENxLAYERS such as 64x1; got {text!r}")
+    return int(hidden), int(layers)
 
 
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1) -> float:

@@ -44,6 +44,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
+from benchmarks._timing import positive_int
 from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
 from brace_lightning.module import BraceModule
 from brace_lightning.rollout import EmbeddedEngine
@@ -163,15 +164,19 @@ CONFIGS: dict[str, dict[str, Any]] = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--samples", type=int, default=2)
-    parser.add_argument("--tokens", type=int, default=200)
-    parser.add_argument("--hidden", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--steps", type=positive_int, default=16)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--prompts", type=positive_int, default=16)
+    parser.add_argument("--samples", type=positive_int, default=2)
+    parser.add_argument("--tokens", type=positive_int, default=200)
+    parser.add_argument("--hidden", type=positive_int, default=32)
+    parser.add_argument("--layers", type=positive_int, default=1)
     parser.add_argument("--only", nargs="*", default=None, help="run only these rows")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error(
+            f"argument --steps: expected at least 2 (steady time starts after step 1); got {args.steps}"
+        )
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning").setLevel(logging.ERROR)
     names = [n for n in CONFIGS if args.only is None or n in args.only]

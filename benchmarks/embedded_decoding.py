@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
+from benchmarks._timing import model_size, positive_int
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.policy import position_ids_from_attention_mask
 from brace_lightning.models.sources import load_actor
@@ -132,9 +133,9 @@ def measure(hidden: int, layers: int, tokens: int, repeats: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--sizes", nargs="*", default=["32x1", "64x1", "128x2"])
-    parser.add_argument("--tokens", type=int, default=200)
+    parser.add_argument("--repeats", type=positive_int, default=7)
+    parser.add_argument("--sizes", nargs="+", type=model_size, default=[(32, 1), (64, 1), (128, 2)])
+    parser.add_argument("--tokens", type=positive_int, default=200)
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(
@@ -146,8 +147,7 @@ def main() -> None:
         "| HF generate s | vs HF generate |"
     )
     print("|---|---|---|---|---|---|---|")
-    for size in args.sizes:
-        hidden, layers = (int(x) for x in size.split("x"))
+    for hidden, layers in args.sizes:
         print(measure(hidden, layers, args.tokens, args.repeats), flush=True)
 
 

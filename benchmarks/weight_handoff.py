@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from benchmarks._timing import median_seconds
+from benchmarks._timing import median_seconds, model_size, positive_int
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.sources import load_actor
 from brace_lightning.rollout import EmbeddedEngine
@@ -59,8 +59,10 @@ def measure(hidden: int, layers: int, repeats: int) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--sizes", nargs="*", default=["64x1", "256x4", "1024x8"])
+    parser.add_argument("--repeats", type=positive_int, default=5)
+    parser.add_argument(
+        "--sizes", nargs="+", type=model_size, default=[(64, 1), (256, 4), (1024, 8)]
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"\nmedians of {args.repeats} versions, 1 torch thread\n")
@@ -69,8 +71,7 @@ def main() -> None:
         "| install ms |"
     )
     print("|---|---|---|---|---|---|---|")
-    for size in args.sizes:
-        hidden, layers = (int(part) for part in size.split("x"))
+    for hidden, layers in args.sizes:
         print(measure(hidden, layers, args.repeats))
 
 

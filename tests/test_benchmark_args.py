@@ -1,0 +1,36 @@
+"""The benchmark scripts' shared argparse types: one error sentence per bad value."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks._timing import model_size, positive_int
+
+
+def test_model_size_parses_hidden_by_layers_and_names_the_expected_form():
+    assert model_size("64x1") == (64, 1)
+    assert model_size("1024x8") == (1024, 8)
+    for bad in ("64", "64x", "x2", "0x1", "64x0", "64x1x2", "-64x1"):
+        with pytest.raises(
+            argparse.ArgumentTypeError, match=f"HIDDENxLAYERS such as 64x1; got '{bad}'"
+        ):
+            model_size(bad)
+
+
+def test_positive_int_refuses_zero_negatives_and_text():
+    assert positive_int("3") == 3
+    for bad in ("0", "-2", "two", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError, match=f"integer >= 1; got '{bad}'"):
+            positive_int(bad)
+
+
+def test_a_bad_size_on_the_command_line_is_one_error_naming_the_argument(capsys):
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", nargs="+", type=model_size)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sizes", "32x1", "32"])
+    assert (
+        "argument --sizes: expected HIDDENxLAYERS such as 64x1; got '32'" in capsys.readouterr().err
+    )
