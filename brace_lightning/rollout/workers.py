@@ -436,8 +436,8 @@ _TRIM_THRESHOLD_BYTES = 256 << 20
 def keep_freed_memory() -> bool:
     """Let glibc keep freed memory for reuse in this process; False where the C library is not glibc.
 
-    Decoding allocates and frees tensors of the same few sizes at every step (the growing key/value
-    cache). A fresh process serves them from ``mmap`` and returns the freed top of its heap to the
+    Decoding allocates and frees tensors of the same few sizes at every step (activations, logits,
+    and per batch the key/value cache). A fresh process serves them from ``mmap`` and returns the freed top of its heap to the
     system, so every step pays page faults again; a training process has long raised glibc's dynamic
     thresholds by freeing larger tensors. Fixing the thresholds gives the producer that state from
     the start: on the 2-core benchmark machine the producer generated 40-65% slower without it
