@@ -1,4 +1,4 @@
-"""Value-target kernels against the float64 reference and the identities of DESIGN.md."""
+"""Value-target kernels against the float64 reference and the identities of docs/conventions.md."""
 
 from __future__ import annotations
 

@@ -6,7 +6,7 @@ weights the trainer publishes after every step. This module decides what may be 
 (admission), receives finished batches into a :class:`~brace_lightning.rollout.buffer.StalenessBuffer`,
 and hands them to the trainer in order, re-checking staleness when each is consumed.
 
-Staleness (DESIGN: "Rollout samples, versions, staleness"). With ``max_staleness = S``, batch ``n``
+Staleness (docs/conventions.md, "Versions and staleness"). With ``max_staleness = S``, batch ``n``
 (consumed at rollout step ``n``) is requested only once ``n − S`` steps are complete and their weights
 were sent, so at most ``S + 1`` batches are generated ahead of the trainer (AReaL's capacity rule)
 and a sample's staleness ``trainer_version − min(token versions)`` is at most S by construction. It is

@@ -1,6 +1,6 @@
 """Per-action bookkeeping shared by the metrics: action index, remaining horizon, return-to-go.
 
-All functions follow the token conventions of ``shared/DESIGN.md``: ``mask[b, t]`` is True at
+All functions follow the token conventions of ``docs/conventions.md``: ``mask[b, t]`` is True at
 actions; columns between actions (tool output, prompt, padding) are skipped, so every count is in
 action steps; the reward is read at action columns only. Outputs are 0 at non-action columns.
 """

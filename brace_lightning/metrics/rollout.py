@@ -164,7 +164,7 @@ class StalenessHistogram(Metric):
     """Histogram of policy-version gaps of the data a training step consumes.
 
     Per sample (default) the staleness is ``trainer_version − min(versions over the row's
-    actions)``, the definition ``max_staleness`` bounds (``shared/DESIGN.md``); rows without
+    actions)``, the definition ``max_staleness`` bounds (``docs/conventions.md``); rows without
     actions are skipped. With ``per_token=True`` every action counts once with its own
     ``trainer_version − version`` (a row sampled across a weight update spans several gaps).
 

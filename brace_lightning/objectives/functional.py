@@ -1,6 +1,6 @@
 """Actor-side objectives and the critic loss as pure functions of per-token tensors.
 
-Conventions (``shared/DESIGN.md``): every tensor is ``[B, T]``; ``mask`` is bool, True at actions.
+Conventions (``docs/conventions.md``): every tensor is ``[B, T]``; ``mask`` is bool, True at actions.
 Every function returns :class:`~brace_lightning.objectives.base.ObjectiveOutput` whose
 ``token_loss`` is to be **minimised**, is 0 at non-actions and at tokens a rule rejects; the
 LightningModule sums it and divides by the global action-token count, so rejected tokens stay in
@@ -331,7 +331,7 @@ def icepop(
     stay in the denominator. The weight w is a constant (no gradient).
 
     Source: Ring-1T report (Ling Team 2025, "IcePop"), α = 0.5, β = 5, as summarised in
-    ``shared/PEERS.md``. Args as :func:`decoupled_ppo` with ``alpha``/``beta`` the band.
+    ``docs/conventions.md``. Args as :func:`decoupled_ppo` with ``alpha``/``beta`` the band.
 
     Returns:
         ``token_loss`` ``[B, T]``; :func:`ppo_clip`'s stats plus ``weight_sum`` / ``weight_max``
@@ -398,7 +398,7 @@ def kpop(
     p/q adapts to the token's probability: rare tokens may move further in ratio.
 
     Source: Ant Group's KPop note (Guo, Sun et al. 2026, successor of IcePop), as summarised in
-    ``shared/PEERS.md``. Args as :func:`decoupled_ppo` with ``kl_threshold`` = τ.
+    ``docs/conventions.md``. Args as :func:`decoupled_ppo` with ``kl_threshold`` = τ.
 
     Returns:
         ``token_loss`` ``[B, T]``; :func:`ppo_clip`'s stats plus ``weight_sum`` / ``weight_max``
@@ -448,7 +448,7 @@ def dis(
     no proximal policy and no PPO clip: the band is the trust region.
 
     Source: SAO (Hou et al. 2026), math setting eps_low = 0.3, eps_high = 5.0, as summarised in
-    ``shared/PEERS.md``.
+    ``docs/conventions.md``.
 
     Args:
         logprobs: ``[B, T]`` log π_θ (differentiable).
@@ -492,7 +492,7 @@ def estr(
     tolerates only small log-ratios; an uncertain one tolerates larger ones. Negative entropies
     (float rounding) are treated as 0.
 
-    Source: ESTR (Zhao et al. 2026), as summarised in ``shared/PEERS.md``.
+    Source: ESTR (Zhao et al. 2026), as summarised in ``docs/conventions.md``.
 
     Args:
         logprobs, proximal_logprobs, behavior_logprobs, advantages, mask: as in

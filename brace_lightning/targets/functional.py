@@ -1,6 +1,6 @@
 """Value-target kernels: PPO-GAE (λ-return), V-trace and BRACE over token-level ``[B, T]`` tensors.
 
-Conventions (``shared/DESIGN.md``): ``mask[b, t]`` is True where column t is an action. The next
+Conventions (``docs/conventions.md``): ``mask[b, t]`` is True where column t is an action. The next
 state of action t is the next action of the same row; columns between two actions (tool output,
 prompt, padding) are environment transitions and are skipped, so γ, λ and the cap k count action
 steps only. After a row's last action the value is 0. Anything at non-action columns is ignored.
