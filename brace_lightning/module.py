@@ -42,6 +42,7 @@ from brace_lightning.checks import require_int
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.health import require_finite_weights
 from brace_lightning.models.parallelize import full_state_dict, is_sharded, parallelize
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
@@ -480,6 +481,7 @@ class BraceModule(pl.LightningModule):
             # Under FSDP every rank takes part in the gather and gets the full weights.
             sharded = is_sharded(self.actor)
             weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
+            require_finite_weights(weights, rollout_step=self.rollout_step - 1)
             datamodule.publish(weights, self.policy_version)
 
     def _log_step(

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import math
 
+import lightning.pytorch as pl
 import pytest
+import torch
 
+from brace_lightning.cli import run
 from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
+from brace_lightning.models.health import require_finite_weights
+from brace_lightning.models.sources import load_actor, load_tokenizer
+from brace_lightning.rollout import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticTask
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from tests.test_async import FakeEngine, assert_conserved, fake_module
+from tests.test_trainer import CONFIGS, small_run
 
 # ---------------------------------------------------------------------------- empty batches (17.2)
 
@@ -77,3 +84,62 @@ def test_a_verifier_that_stays_down_stops_the_run_with_one_sentence(build):
 def test_max_consecutive_empty_batches_is_checked(build):
     with pytest.raises(ValueError, match="^max_consecutive_empty_batches must be an integer >= 1"):
         build(reward=DownThenUpReward(0), max_consecutive_empty_batches=0)
+
+
+# ---------------------------------------------------------------------------- diverged actor (17.3)
+
+DIVERGE = ("--model.num_minibatches=1", "--model.ppo_epochs=1")
+
+
+def test_a_diverged_actor_stops_at_the_sampler_with_a_sentence(tmp_path):
+    """Actor lr 1e30: finite but huge weights whose logits are NaN; inverse-CDF sampling of the NaN
+    distribution used to return index V (``index 100 is out of bounds``)."""
+    args = small_run(tmp_path, "--model.actor_optimizer.init_args.lr=1e30", *DIVERGE, steps=3)
+    with pytest.raises(FloatingPointError, match="^the embedded engine's next-token distribution"):
+        run(args)
+
+
+class OverflowActorGradients(pl.Callback):
+    """Makes one actor gradient inf just before the actor's optimizer step (an overflowed backward
+    after a finite loss): AdamW then writes NaN into the weights."""
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if optimizer is trainer.optimizers[0]:
+            next(pl_module.actor.parameters()).grad.fill_(math.inf)
+
+
+def test_non_finite_actor_weights_are_never_published(tmp_path):
+    args = small_run(
+        tmp_path, "--trainer.callbacks+=tests.test_faults.OverflowActorGradients", *DIVERGE, steps=3
+    )
+    with pytest.raises(
+        FloatingPointError, match="^the actor's weights became non-finite at rollout step 0 "
+    ):
+        run(args)
+
+
+def test_a_diverged_actor_in_an_async_run_fails_with_the_sentence(tmp_path):
+    args = small_run(
+        tmp_path,
+        "--config",
+        str(CONFIGS / "async.yaml"),
+        "--data.producer=thread",
+        "--model.actor_optimizer.init_args.lr=1e30",
+        *DIVERGE,
+        steps=4,
+    )
+    with pytest.raises(RuntimeError, match="FloatingPointError: the embedded engine's next-token"):
+        run(args)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_the_embedded_sampler_refuses_non_finite_logits(temperature):
+    actor = load_actor(
+        "tiny-char", tokenizer=load_tokenizer("tiny-char"), hidden_size=32, num_layers=1
+    )
+    engine = EmbeddedEngine(actor, temperature=temperature)
+    logits = torch.zeros(3, 10)
+    logits[1, 4] = math.nan
+    with pytest.raises(FloatingPointError, match=r"not finite in 1 of 3 rows at policy version 0"):
+        engine._sample(logits)
+    assert require_finite_weights({"w": torch.ones(2)}, rollout_step=0) is None

@@ -349,6 +349,7 @@ class EmbeddedEngine(RolloutEngine):
         """Draw one token per row from ``logits`` ``[N, V]``; returns ``[N]`` tokens, log µ, entropy."""
         if self.temperature == 0:
             tokens = logits.argmax(dim=-1)
+            self._require_finite(logits.gather(-1, tokens[:, None]))
             zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
             return tokens, zeros, zeros
         scaled = logits.float() / self.temperature
@@ -367,6 +368,18 @@ class EmbeddedEngine(RolloutEngine):
         plogp = torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs))
         return tokens, logp, -plogp.sum(dim=-1)
 
+    def _require_finite(self, totals: torch.Tensor) -> None:
+        """Refuse to sample from rows whose ``[N, 1]`` summary (CDF end, top logit) is not finite:
+        inverse-CDF sampling of a NaN row returns the out-of-range index V."""
+        if not bool(torch.isfinite(totals).all()):
+            bad = int((~torch.isfinite(totals)).sum())
+            raise FloatingPointError(
+                f"the embedded engine's next-token distribution is not finite in {bad} of "
+                f"{totals.shape[0]} rows at policy version {self.version}; expected finite "
+                "logits (the weights it samples with have diverged: lower the actor's learning "
+                "rate or set max_grad_norm)."
+            )
+
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One index per row of ``probs`` ``[N, V]``, drawn by inverting the row's CDF.
 
@@ -376,6 +389,7 @@ class EmbeddedEngine(RolloutEngine):
         per row is much cheaper than ``torch.multinomial``, which draws an exponential per entry.
         """
         cdf = probs.double().cumsum(dim=-1)
+        self._require_finite(cdf[:, -1:])  # NaN anywhere in a row makes its total NaN
         uniform = torch.rand(
             probs.shape[0], 1, generator=self._generator, dtype=torch.float64, device=self.device
         )

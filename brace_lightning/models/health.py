@@ -1,0 +1,42 @@
+"""Checks that a model's weights are still numbers before anyone samples with them.
+
+A diverged actor (a learning rate far too high, an exploding update) can leave NaN or inf in its
+weights while every loss so far was finite. Published unchecked, those weights reach the rollout
+engine, whose sampler then draws from a NaN distribution and fails somewhere unrelated (an index
+out of bounds). :func:`require_finite_weights` runs where weights are published, so the run stops
+at the step that broke them, with a sentence that says so.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+
+
+def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step: int) -> None:
+    """Raise FloatingPointError naming the first non-finite tensor of the actor's ``weights``.
+
+    One max-abs reduction per floating-point tensor (it propagates NaN and cannot overflow, unlike
+    a norm) and one host sync for the whole model.
+    """
+    tensors = [(n, t) for n, t in weights.items() if t.is_floating_point() and t.numel()]
+    if not tensors:
+        return
+    device = tensors[0][1].device
+    peaks = torch.stack(
+        [torch.linalg.vector_norm(t.detach(), ord=math.inf).float().to(device) for _, t in tensors]
+    )
+    if bool(torch.isfinite(peaks).all()):
+        return
+    bad = [
+        name
+        for (name, _), ok in zip(tensors, torch.isfinite(peaks).tolist(), strict=True)
+        if not ok
+    ]
+    raise FloatingPointError(
+        f"the actor's weights became non-finite at rollout step {rollout_step} ({len(bad)} of "
+        f"{len(tensors)} tensors, first {bad[0]!r}), so they were not published to the rollout "
+        "engine; expected finite weights (lower the actor's learning rate or set max_grad_norm)."
+    )
