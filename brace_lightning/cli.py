@@ -12,11 +12,13 @@ brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from brace_lightning.cli_errors import check_config_files, check_engine_factory, construction_errors
 from brace_lightning.module import BraceModule
 
 
@@ -26,12 +28,22 @@ class BraceCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.actor", "data.init_args.tokenizer")
 
+    def instantiate_classes(self) -> None:
+        """Build the objects; a class's ValueError is reported like a parse error (exit 2)."""
+        config = (
+            self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        )
+        with construction_errors(self.parser, config):
+            super().instantiate_classes()
+            check_engine_factory(getattr(self.datamodule, "engine_factory", None))
+
 
 def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     """Run the CLI on ``args`` (default ``sys.argv[1:]``) and return it (its trainer, model, data).
 
     ``cli_kwargs`` go to :class:`LightningCLI` (e.g. ``trainer_defaults={"callbacks": [...]}``).
     """
+    check_config_files(sys.argv[1:] if args is None else args)
     return BraceCLI(
         BraceModule,
         LightningDataModule,

@@ -143,3 +143,55 @@ def test_the_embedded_sampler_refuses_non_finite_logits(temperature):
     with pytest.raises(FloatingPointError, match=r"not finite in 1 of 3 rows at policy version 0"):
         engine._sample(logits)
     assert require_finite_weights({"w": torch.ones(2)}, rollout_step=0) is None
+
+
+# ---------------------------------------------------------------------------- bad options (17.7)
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        (
+            ["--data.prompts_per_step=0"],
+            "data.prompts_per_step: prompts_per_step must be an integer >= 1; got 0.",
+        ),
+        (
+            ["--data.samples_per_prompt=-1"],
+            "data.samples_per_prompt: samples_per_prompt must be an integer >= 1; got -1.",
+        ),
+        (
+            ["--model.micro_batch_size=0"],
+            "model.micro_batch_size: micro_batch_size must be None or an integer >= 1; got 0.",
+        ),
+        (
+            ["--data.engine.init_args.max_new_tokens=0"],
+            "data.engine.init_args.max_new_tokens: EmbeddedEngine got max_new_tokens=0; "
+            "expected an integer >= 1.",
+        ),
+        (
+            ["--config", str(CONFIGS / "async.yaml"), "--data.max_staleness=-1"],
+            "data.max_staleness: max_staleness must be an integer >= 0; got -1.",
+        ),
+        (
+            ["--model.value_target.init_args.k", "-1"],
+            "model.value_target.init_args.k: k must be an integer >= 0 or None (no cap); got -1.",
+        ),
+    ],
+)
+def test_construction_errors_look_like_parse_errors(tmp_path, capsys, options, expected):
+    with pytest.raises(SystemExit) as info:
+        run(small_run(tmp_path, *options))
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.strip().splitlines()[-1] == f"error: {expected}"
+    assert "Traceback" not in err and "Namespace(" not in err
+
+
+def test_a_malformed_yaml_file_is_named(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  ppo_epochs: [1\n")
+    with pytest.raises(SystemExit) as info:
+        run(small_run(tmp_path, "--config", str(bad)))
+    err = capsys.readouterr().err
+    assert info.value.code == 2
+    assert err.startswith(f"error: --config {bad}: not valid YAML at line 3, column 1")
