@@ -11,6 +11,7 @@ import torch
 
 from brace_lightning.cli import run
 from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
+from brace_lightning.logs import read_scalars
 from brace_lightning.models.health import require_finite_weights
 from brace_lightning.models.sources import load_actor, load_tokenizer
 from brace_lightning.rollout import EmbeddedEngine
@@ -195,3 +196,40 @@ def test_a_malformed_yaml_file_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.startswith(f"error: --config {bad}: not valid YAML at line 3, column 1")
+
+
+# ---------------------------------------------------------------------------- long prompts (17.4)
+
+
+def test_a_prompt_beyond_the_model_context_is_refused_or_cut_and_counted(tmp_path):
+    """A 3,263-token prompt against max_position_embeddings = 1024 used to be accepted silently."""
+    tokenizer = load_tokenizer("tiny-char")
+    actor = load_actor("tiny-char", tokenizer=tokenizer, hidden_size=32, num_layers=1)
+    assert actor.config.max_position_embeddings == 1024
+    long_prompt = [5] * 3263
+    engine = EmbeddedEngine(actor, max_new_tokens=4)
+    with pytest.raises(
+        ValueError,
+        match=r"^EmbeddedEngine got prompt 0 of 3263 tokens; expected at most max_prompt_tokens=1020 "
+        r"\(the model's context is 1024\)",
+    ):
+        engine.generate([long_prompt])
+    cutting = EmbeddedEngine(actor, max_new_tokens=4, max_prompt_tokens=6, truncation="left")
+    out = cutting.generate([long_prompt[:-3] + [7, 8, 9], [5, 6]], num_samples=2)
+    assert out.truncated_prompts == 2
+    assert out.prompt_ids[0] == [5, 5, 5, 7, 8, 9] and out.prompt_ids[2] == [5, 6]
+    with pytest.raises(ValueError, match="^EmbeddedEngine got truncation='right'; expected"):
+        EmbeddedEngine(actor, truncation="right")
+    with pytest.raises(ValueError, match="^EmbeddedEngine got max_prompt_tokens=0; expected"):
+        EmbeddedEngine(actor, max_prompt_tokens=0)
+    # In a run the count is a logged metric.
+    cli = run(
+        small_run(
+            tmp_path,
+            "--data.engine.init_args.max_prompt_tokens=3",
+            "--data.engine.init_args.truncation=left",
+            steps=1,
+        )
+    )
+    logged = read_scalars(cli.trainer.logger.log_dir)["data/truncated_prompts"]
+    assert logged == [(1, 8.0)]  # 4 prompts x 2 samples, each longer than 3 tokens

@@ -57,7 +57,8 @@ def collect_rollouts(
     Returns:
         A :class:`RolloutBatch` with ``B = kept samples`` rows and ``T = longest prompt + longest
         response`` columns, prompt-major order; ``info`` holds ``generated``,
-        ``dropped_reward_error``, ``mean_response_length``, ``max_response_length``,
+        ``dropped_reward_error``, ``truncated_prompts`` (samples whose prompt the engine cut to
+        its ``max_prompt_tokens``), ``mean_response_length``, ``max_response_length``,
         ``truncated_fraction``, ``mean_score``, ``accuracy``.
     """
     if num_samples < 1:
@@ -129,6 +130,7 @@ def score_and_pad(
     batch.info.update(
         generated=float(len(out)),
         dropped_reward_error=float(dropped),
+        truncated_prompts=float(out.truncated_prompts),
         mean_response_length=sum(lengths) / len(lengths) if lengths else 0.0,
         max_response_length=float(max(lengths, default=0)),
         truncated_fraction=(

@@ -45,10 +45,13 @@ from brace_lightning.models.policy import position_ids_from_attention_mask
 from brace_lightning.rollout.engine import (
     FinishReason,
     GenerationOutput,
+    PromptLimit,
     RolloutEngine,
+    Truncation,
     check_generate_args,
     check_sampling_args,
     check_state_dict,
+    model_context,
 )
 
 
@@ -153,6 +156,10 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_size: decode at most this many samples at once (None = all in one batch).
         device: where the copy lives; None = the device of ``model``'s parameters.
         version: policy version of ``model``'s weights (0 = before the first training step).
+        max_prompt_tokens: longest prompt accepted; None = the model's ``max_position_embeddings``
+            minus ``max_new_tokens`` (see :class:`~brace_lightning.rollout.engine.PromptLimit`).
+        truncation: a longer prompt is refused (``"error"``) or cut to its last
+            ``max_prompt_tokens`` tokens and counted (``"left"``, ``data/truncated_prompts``).
     """
 
     def __init__(
@@ -167,8 +174,13 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         version: int = 0,
+        max_prompt_tokens: int | None = None,
+        truncation: Truncation = "error",
     ) -> None:
         check_sampling_args("EmbeddedEngine", temperature, top_p, max_new_tokens)
+        self.prompt_limit = PromptLimit(
+            "EmbeddedEngine", max_prompt_tokens, truncation, model_context(model), max_new_tokens
+        )
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(
                 f"EmbeddedEngine got max_batch_size={max_batch_size}; expected None or an integer >= 1."
@@ -243,6 +255,7 @@ class EmbeddedEngine(RolloutEngine):
         afterwards record the new version (interruptible generation), and it may raise to abort.
         """
         check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
+        prompts, truncated = self.prompt_limit.apply(prompts)
         stop_ids = [*self.stop_token_ids, *(int(t) for t in extra_stop_token_ids)]
         expanded = [list(p) for p in prompts for _ in range(num_samples)]
         index = [i for i in range(len(prompts)) for _ in range(num_samples)]
@@ -268,6 +281,7 @@ class EmbeddedEngine(RolloutEngine):
             prompt_index=index,
             finish_reason=finish,
             entropy=entropy,
+            truncated_prompts=truncated * num_samples,
         )
 
     @torch.inference_mode()

@@ -176,6 +176,13 @@ def collect_episodes(
     entropy_known = True
     while active := [e for e in episodes if e.finish is None]:
         out = engine.generate([e.prompt_ids + e.tokens for e in active], num_samples=1, **kwargs)
+        if out.truncated_prompts:
+            raise ValueError(
+                f"collect_episodes: the engine cut {out.truncated_prompts} episode contexts (prompt "
+                "+ transcript) to its max_prompt_tokens; expected contexts that fit, because the "
+                "trainer scores whole transcripts: lower the environment's max_response_tokens or "
+                "shorten the prompts."
+            )
         if len(out) != len(active):
             raise ValueError(
                 f"collect_episodes got {len(out)} samples from the engine; expected {len(active)} "

@@ -50,6 +50,7 @@ from torch import nn
 
 from brace_lightning.rollout.engine import (
     GenerationOutput,
+    Truncation,
     check_state_keys,
 )
 from brace_lightning.rollout.vllm import (
@@ -201,6 +202,8 @@ class VLLMServerEngine(SeededRequestEngine):
         server_args: extra ``vllm serve`` flags for a launched server.
         request_timeout: seconds one HTTP request may take.
         startup_timeout: seconds a launched server may take to become ready.
+        max_prompt_tokens, truncation: as for :class:`~brace_lightning.rollout.vllm.VLLMEngine`
+            (the context is the actor's ``max_position_embeddings``).
     """
 
     def __init__(
@@ -219,6 +222,8 @@ class VLLMServerEngine(SeededRequestEngine):
         server_args: Sequence[str] = (),
         request_timeout: float = 300.0,
         startup_timeout: float = 300.0,
+        max_prompt_tokens: int | None = None,
+        truncation: Truncation = "error",
     ) -> None:
         self._setup(
             "VLLMServerEngine",
@@ -229,6 +234,8 @@ class VLLMServerEngine(SeededRequestEngine):
             stop_token_ids=stop_token_ids,
             seed=seed,
             version=version,
+            max_prompt_tokens=max_prompt_tokens,
+            truncation=truncation,
         )
         if urls is not None and not urls:
             raise ValueError("VLLMServerEngine got urls=[]; expected None or at least one URL.")
@@ -357,7 +364,9 @@ class VLLMServerEngine(SeededRequestEngine):
         Raises:
             VLLMServerError: when a server is unreachable, died, errs, or serves another version.
         """
-        stops, base = self._start_call(prompts, num_samples, extra_stop_token_ids)
+        prompts, truncated, stops, base = self._start_call(
+            prompts, num_samples, extra_stop_token_ids
+        )
         for url, served in zip(self.urls, self.served_versions(), strict=True):
             if served != self._version:
                 raise VLLMServerError(
@@ -386,7 +395,7 @@ class VLLMServerEngine(SeededRequestEngine):
         workers = max(1, min(len(prompts), 8 * len(self.urls)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             answers = list(pool.map(complete, range(len(prompts))))
-        result = GenerationOutput([], [], [], [], [], [], None)
+        result = GenerationOutput([], [], [], [], [], [], None, truncated_prompts=truncated)
         for j, choices in enumerate(answers):
             for choice in choices:
                 tokens = [int(t) for t in choice["token_ids"]]
