@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
+from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
@@ -581,10 +582,12 @@ class BraceModule(pl.LightningModule):
             "python_rng": random.getstate(),
             # as plain types so the checkpoint loads with torch.load(weights_only=True)
             "numpy_rng": _numpy_state_to_plain(np.random.get_state()),
+            RECORD_KEY: data_module_name(self.trainer.datamodule),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["brace"]
+        check_same_data_module(checkpoint, state.get(RECORD_KEY), self.trainer.datamodule)
         self.policy_version = int(state["policy_version"])
         self.rollout_step = int(state["rollout_step"])
         self._shuffle.set_state(state["shuffle"])

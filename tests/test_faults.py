@@ -18,7 +18,7 @@ from brace_lightning.rollout import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticTask
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from tests.test_async import FakeEngine, assert_conserved, fake_module
-from tests.test_trainer import CONFIGS, small_run
+from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
 # ---------------------------------------------------------------------------- empty batches (17.2)
 
@@ -233,3 +233,41 @@ def test_a_prompt_beyond_the_model_context_is_refused_or_cut_and_counted(tmp_pat
     )
     logged = read_scalars(cli.trainer.logger.log_dir)["data/truncated_prompts"]
     assert logged == [(1, 8.0)]  # 4 prompts x 2 samples, each longer than 3 tokens
+
+
+# ---------------------------------------------------------------------------- switched data module (17.5)
+
+ONE_UPDATE = ("--model.ppo_epochs=1", "--model.num_minibatches=1")  # 2 optimizer steps per step
+ASYNC = ("--config", str(CONFIGS / "async.yaml"), "--data.producer=thread")
+
+
+@pytest.mark.parametrize(
+    ("save_with", "resume_with", "saved", "current"),
+    [
+        ((), ASYNC, "RolloutDataModule", "AsyncRolloutDataModule"),
+        (ASYNC, (), "AsyncRolloutDataModule", "RolloutDataModule"),
+    ],
+    ids=["sync-to-async", "async-to-sync"],
+)
+def test_resuming_with_the_other_data_module_is_refused(
+    tmp_path, save_with, resume_with, saved, current
+):
+    """Sync checkpoint + async module used to restart at version 0 and die 4 versions stale; async
+    checkpoint + sync module neither trained nor counted the buffered samples."""
+    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
+    first = run(small_run(tmp_path / "first", *save_with, *ONE_UPDATE, *save, steps=5))
+    assert first.model.rollout_step == 5
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
+    assert torch.load(checkpoint, weights_only=True)["brace"]["data_module"] == saved
+    resume = small_run(tmp_path / "resumed", *resume_with, *ONE_UPDATE, steps=7)
+    with pytest.raises(
+        ValueError,
+        match=rf"^the checkpoint was written with the data module {saved} but this run uses "
+        rf"{current}; expected the same data module",
+    ):
+        run([*resume, f"--ckpt_path={checkpoint}"])
+    # The same data module loads it (the checkpoint ends the one epoch: nothing more to train).
+    same = small_run(tmp_path / "same", *save_with, *ONE_UPDATE, steps=5)
+    resumed = run([*same, f"--ckpt_path={checkpoint}"])
+    assert resumed.model.rollout_step == 5
+    assert resumed.datamodule.counters == first.datamodule.counters
