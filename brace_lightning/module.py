@@ -43,7 +43,7 @@ from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.health import require_finite_weights
+from brace_lightning.models.health import require_finite_logprobs, require_finite_weights
 from brace_lightning.models.parallelize import full_state_dict, is_sharded, parallelize
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
@@ -254,6 +254,7 @@ class BraceModule(pl.LightningModule):
             proximal_logprobs, _ = token_logprobs(
                 self.actor, batch.input_ids, batch.attention_mask, temperature=temperature
             )
+            require_finite_logprobs(proximal_logprobs, batch.mask, rollout_step=self.rollout_step)
             old_values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
             ewma_logprobs = None
             ewma_seconds = 0.0

@@ -40,3 +40,19 @@ def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step:
         f"{len(tensors)} tensors, first {bad[0]!r}), so they were not published to the rollout "
         "engine; expected finite weights (lower the actor's learning rate or set max_grad_norm)."
     )
+
+
+def require_finite_logprobs(
+    logprobs: torch.Tensor, mask: torch.Tensor, *, rollout_step: int
+) -> None:
+    """Raise FloatingPointError when the actor's ``[B, T]`` log-probs are not finite at an action
+    (``mask`` True): its weights are finite but so large that its outputs are NaN."""
+    at_actions = torch.where(mask, logprobs, torch.zeros((), dtype=logprobs.dtype))
+    if bool(torch.isfinite(at_actions.sum())) or bool(torch.isfinite(at_actions).all()):
+        return
+    bad = int((~torch.isfinite(at_actions)).sum())
+    raise FloatingPointError(
+        f"the actor's log-probs are not finite at {bad} action tokens at rollout step "
+        f"{rollout_step}: its weights have diverged; expected finite log-probs (lower the actor's "
+        "learning rate or set max_grad_norm)."
+    )
