@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import yaml
 
-from brace_lightning.rollout.engine import check_sampling_args
+from brace_lightning.rollout.engine import PromptLimit, check_sampling_args
 
 _NAMED = re.compile(r"^(\w+) must\b|\bgot (\w+)=")
 
@@ -101,7 +101,8 @@ def construction_errors(parser: Any, config: Any) -> Iterator[None]:
 
 
 def check_engine_factory(factory: Any) -> None:
-    """Run the sampling-argument check of an engine factory's class before any model exists.
+    """Run the sampling- and prompt-argument checks of an engine factory's class before any model
+    exists.
 
     Engines are built lazily from a factory (the first batch, or a producer process), so a bad
     ``--data.engine.init_args.max_new_tokens`` would otherwise only fail in the middle of ``fit``.
@@ -118,6 +119,12 @@ def check_engine_factory(factory: Any) -> None:
         return
     given = {n: factory.keywords.get(n, parameters[n].default) for n in names}
     check_sampling_args(cls.__name__, **given)
+    if "max_prompt_tokens" in parameters and "truncation" in parameters:
+        limit, truncation = (
+            factory.keywords.get(n, parameters[n].default)
+            for n in ("max_prompt_tokens", "truncation")
+        )
+        PromptLimit(cls.__name__, limit, truncation, None, given["max_new_tokens"])
 
 
 def check_config_files(args: Sequence[str]) -> None:

@@ -182,6 +182,11 @@ def test_the_embedded_sampler_refuses_non_finite_logits(temperature):
             "expected an integer >= 1.",
         ),
         (
+            ["--data.engine.init_args.max_prompt_tokens=0"],
+            "data.engine.init_args.max_prompt_tokens: EmbeddedEngine got max_prompt_tokens=0; "
+            "expected None or an integer >= 1.",
+        ),
+        (
             ["--config", str(CONFIGS / "async.yaml"), "--data.max_staleness=-1"],
             "data.max_staleness: max_staleness must be an integer >= 0; got -1.",
         ),
