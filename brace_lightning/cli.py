@@ -12,6 +12,7 @@ brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -55,7 +56,13 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
 
 
 def main() -> None:
-    """Console-script entry point ``brace-lightning``."""
+    """Console-script entry point ``brace-lightning``.
+
+    The working directory goes first on ``sys.path``, as with ``python -m``, so that a recipe can
+    name a user's own module there (``--data.reward my_reward.ExactMatch``).
+    """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     run()
 
 
