@@ -205,11 +205,12 @@ def test_construction_errors_look_like_parse_errors(tmp_path, capsys, options, e
     assert "Traceback" not in err and "Namespace(" not in err
 
 
-def test_a_malformed_yaml_file_is_named(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--config", "-c"])
+def test_a_malformed_yaml_file_is_named(tmp_path, capsys, flag):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  ppo_epochs: [1\n")
     with pytest.raises(SystemExit) as info:
-        run(small_run(tmp_path, "--config", str(bad)))
+        run(small_run(tmp_path, flag, str(bad)))
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.startswith(f"error: --config {bad}: not valid YAML at line 3, column 1")
