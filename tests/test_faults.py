@@ -155,7 +155,18 @@ def test_the_embedded_sampler_refuses_non_finite_logits(temperature):
     logits[1, 4] = math.nan
     with pytest.raises(FloatingPointError, match=r"not finite in 1 of 3 rows at policy version 0"):
         engine._sample(logits)
-    assert require_finite_weights({"w": torch.ones(2)}, rollout_step=0) is None
+
+
+def test_the_weight_check_names_the_tensor_and_raises_no_false_alarm():
+    weights = {"a": torch.ones(3), "b": torch.full((4,), 3e38), "steps": torch.tensor([7])}
+    assert require_finite_weights(weights, rollout_step=0) is None  # the sum overflows, not b
+    weights["c"] = torch.tensor([1.0, math.inf])
+    with pytest.raises(
+        FloatingPointError,
+        match=r"^the actor's weights became non-finite at rollout step 4 \(1 of 3 tensors, "
+        r"first 'c'\)",
+    ):
+        require_finite_weights(weights, rollout_step=4)
 
 
 # ---------------------------------------------------------------------------- bad options (17.7)
