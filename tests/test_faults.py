@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -441,3 +442,15 @@ def test_vllm_server_hands_the_launcher_its_pid(tmp_path, monkeypatch):
     assert started["command"][1:3] == ["-m", "brace_lightning.rollout.vllm_server"]
     assert started["start_new_session"] is True
     assert started["env"][PARENT_PID_ENV] == str(os.getpid())
+
+
+def test_every_test_the_reliability_doc_names_exists():
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    named = set(re.findall(r"(tests/\w+\.py)::(\w+)", text))
+    bare = set(re.findall(r"`(test_\w+)`", text))
+    assert len(named) > 20 and bare
+    sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
+    for path, test in named:
+        assert f"def {test}(" in (ROOT / path).read_text(), f"{path}::{test}"
+    for test in bare:
+        assert any(f"def {test}(" in source for source in sources.values()), test
