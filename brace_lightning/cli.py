@@ -4,6 +4,7 @@ brace-lightning fit --config configs/quickstart.yaml
 brace-lightning fit --config configs/quickstart.yaml --config configs/targets/gae.yaml
 brace-lightning fit --config configs/quickstart.yaml --model.value_target.init_args.k 20
 brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
+brace-lightning export --ckpt_path runs/.../checkpoints/last.ckpt --out exported  # HF folders
 
 ``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe —
 ``brace_lightning.data.RolloutDataModule`` or ``AsyncRolloutDataModule`` — and
@@ -63,6 +64,11 @@ def main() -> None:
     """
     if "" not in sys.path and os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())
+    if sys.argv[1:2] == ["export"]:
+        from brace_lightning.export import main as export_main
+
+        export_main(sys.argv[2:])
+        return
     run()
 
 
