@@ -4,6 +4,7 @@ brace-lightning fit --config configs/quickstart.yaml
 brace-lightning fit --config configs/quickstart.yaml --config configs/targets/gae.yaml
 brace-lightning fit --config configs/quickstart.yaml --model.value_target.init_args.k 20
 brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
+brace-lightning export --ckpt_path runs/.../checkpoints/last.ckpt --out exported  # HF folders
 
 ``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe —
 ``brace_lightning.data.RolloutDataModule`` or ``AsyncRolloutDataModule`` — and
@@ -12,6 +13,7 @@ brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -55,7 +57,18 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
 
 
 def main() -> None:
-    """Console-script entry point ``brace-lightning``."""
+    """Console-script entry point ``brace-lightning``.
+
+    The working directory goes first on ``sys.path``, as with ``python -m``, so that a recipe can
+    name a user's own module there (``--data.reward my_reward.ExactMatch``).
+    """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if sys.argv[1:2] == ["export"]:
+        from brace_lightning.export import main as export_main
+
+        export_main(sys.argv[2:])
+        return
     run()
 
 

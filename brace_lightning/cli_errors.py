@@ -128,9 +128,10 @@ def check_engine_factory(factory: Any) -> None:
 
 
 def check_config_files(args: Sequence[str]) -> None:
-    """Exit with ``error: --config <path>: ...`` (code 2) when a ``--config`` file is not YAML."""
-    paths = [b for a, b in zip(args, args[1:], strict=False) if a == "--config"]
-    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    """Exit with ``error: --config <path>: ...`` (code 2) when a ``--config``/``-c`` file is not
+    YAML."""
+    paths = [b for a, b in zip(args, args[1:], strict=False) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in args if a.startswith(("--config=", "-c="))]
     for path in paths:
         file = Path(path)
         if not file.is_file():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -155,7 +156,18 @@ def test_the_embedded_sampler_refuses_non_finite_logits(temperature):
     logits[1, 4] = math.nan
     with pytest.raises(FloatingPointError, match=r"not finite in 1 of 3 rows at policy version 0"):
         engine._sample(logits)
-    assert require_finite_weights({"w": torch.ones(2)}, rollout_step=0) is None
+
+
+def test_the_weight_check_names_the_tensor_and_raises_no_false_alarm():
+    weights = {"a": torch.ones(3), "b": torch.full((4,), 3e38), "steps": torch.tensor([7])}
+    assert require_finite_weights(weights, rollout_step=0) is None  # the sum overflows, not b
+    weights["c"] = torch.tensor([1.0, math.inf])
+    with pytest.raises(
+        FloatingPointError,
+        match=r"^the actor's weights became non-finite at rollout step 4 \(1 of 3 tensors, "
+        r"first 'c'\)",
+    ):
+        require_finite_weights(weights, rollout_step=4)
 
 
 # ---------------------------------------------------------------------------- bad options (17.7)
@@ -205,11 +217,12 @@ def test_construction_errors_look_like_parse_errors(tmp_path, capsys, options, e
     assert "Traceback" not in err and "Namespace(" not in err
 
 
-def test_a_malformed_yaml_file_is_named(tmp_path, capsys):
+@pytest.mark.parametrize("flag", ["--config", "-c"])
+def test_a_malformed_yaml_file_is_named(tmp_path, capsys, flag):
     bad = tmp_path / "bad.yaml"
     bad.write_text("model:\n  ppo_epochs: [1\n")
     with pytest.raises(SystemExit) as info:
-        run(small_run(tmp_path, "--config", str(bad)))
+        run(small_run(tmp_path, flag, str(bad)))
     err = capsys.readouterr().err
     assert info.value.code == 2
     assert err.startswith(f"error: --config {bad}: not valid YAML at line 3, column 1")
@@ -429,3 +442,15 @@ def test_vllm_server_hands_the_launcher_its_pid(tmp_path, monkeypatch):
     assert started["command"][1:3] == ["-m", "brace_lightning.rollout.vllm_server"]
     assert started["start_new_session"] is True
     assert started["env"][PARENT_PID_ENV] == str(os.getpid())
+
+
+def test_every_test_the_reliability_doc_names_exists():
+    text = (ROOT / "docs" / "reliability.md").read_text()
+    named = set(re.findall(r"(tests/\w+\.py)::(\w+)", text))
+    bare = set(re.findall(r"`(test_\w+)`", text))
+    assert len(named) > 20 and bare
+    sources = {p.name: p.read_text() for p in (ROOT / "tests").glob("test_*.py")}
+    for path, test in named:
+        assert f"def {test}(" in (ROOT / path).read_text(), f"{path}::{test}"
+    for test in bare:
+        assert any(f"def {test}(" in source for source in sources.values()), test

@@ -136,6 +136,19 @@ def test_calculator_bounds_the_size_of_every_value():
         env.observe(prompt, "<calc>1e308*1e308*1e308</calc>")
         == "<result>1" + "0" * 924 + "</result>"
     )
+    hostile = [  # each at most MAX_EXPRESSION_CHARS: the work per call is bounded, and small
+        "9" * 200,
+        "(" * 99 + "1" + ")" * 99,
+        "-" * 199 + "1",
+        ("1e308*" * 34)[:199] + "1",
+        ("1/3+" * 50)[:199] + "1",
+        ("1e-308/" * 29)[:199] + "1",
+        ("99999999999*" * 17)[:199] + "9",
+    ]
+    for expression in hostile:
+        start = time.perf_counter()
+        assert env.observe(prompt, f"<calc>{expression}</calc>").startswith("<result>")
+        assert time.perf_counter() - start < 0.05, expression
 
 
 class BrokenToolEnv(CalculatorEnv):

@@ -253,7 +253,11 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
     strategy: str, single_run: Path, tmp_path: Path
 ) -> None:
-    reports = _driver(tmp_path, "fixed", "--strategy", strategy, "--devices", "2", "--steps", "2")
+    # A 12-token budget cuts rank 0's rows into 3 micro-batches and rank 1's into 4: rank 0 splits
+    # one more so both run the same number of forwards and backwards (FSDP2 and DDP need it), and
+    # the result must still equal the single process's, which has no budget.
+    common = ("--devices", "2", "--steps", "2", "--max-tokens", "12")
+    reports = _driver(tmp_path, "fixed", "--strategy", strategy, *common)
     _assert_ranks_agree(reports)
     assert reports[0]["sharded"] is (strategy == "fsdp")
     assert reports[0]["published"] == [1, 2]  # full, unsharded weights after every step

@@ -9,7 +9,6 @@ at the step that broke them, with a sentence that says so.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
@@ -18,23 +17,21 @@ import torch
 def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step: int) -> None:
     """Raise FloatingPointError naming the first non-finite tensor of the actor's ``weights``.
 
-    One max-abs reduction per floating-point tensor (it propagates NaN and cannot overflow, unlike
-    a norm) and one host sync for the whole model.
+    One sum per floating-point tensor (NaN and inf propagate through it) and one host sync for the
+    whole model; only when a sum is not finite — also when finite but huge values overflow it — is
+    each such tensor checked element by element, so no false alarm is raised.
     """
-    tensors = [(n, t) for n, t in weights.items() if t.is_floating_point() and t.numel()]
+    tensors = [(n, t.detach()) for n, t in weights.items() if t.is_floating_point() and t.numel()]
     if not tensors:
         return
     device = tensors[0][1].device
-    peaks = torch.stack(
-        [torch.linalg.vector_norm(t.detach(), ord=math.inf).float().to(device) for _, t in tensors]
-    )
-    if bool(torch.isfinite(peaks).all()):
+    sums = torch.stack([t.sum(dtype=torch.float32).to(device) for _, t in tensors])
+    if bool(torch.isfinite(sums).all()):
         return
-    bad = [
-        name
-        for (name, _), ok in zip(tensors, torch.isfinite(peaks).tolist(), strict=True)
-        if not ok
-    ]
+    suspects = [i for i, ok in enumerate(torch.isfinite(sums).tolist()) if not ok]
+    bad = [tensors[i][0] for i in suspects if not bool(torch.isfinite(tensors[i][1]).all())]
+    if not bad:
+        return
     raise FloatingPointError(
         f"the actor's weights became non-finite at rollout step {rollout_step} ({len(bad)} of "
         f"{len(tensors)} tensors, first {bad[0]!r}), so they were not published to the rollout "
