@@ -51,7 +51,12 @@ from brace_lightning.models.microbatch import (
     score_rows,
     widen,
 )
-from brace_lightning.models.parallelize import full_state_dict, is_sharded, parallelize
+from brace_lightning.models.parallelize import (
+    full_state_dict,
+    is_sharded,
+    mixed_precision_dtypes,
+    parallelize,
+)
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
@@ -112,6 +117,11 @@ class BraceModule(pl.LightningModule):
         seed: seed of the tiny model's initialisation and of the minibatch shuffling.
         activation_checkpointing: under ``ModelParallelStrategy`` (FSDP2), recompute each
             transformer block's activations in the backward pass (less memory, one more forward).
+        fsdp_mixed_precision: under FSDP2, ``"auto"`` (bf16 parameters, fp32 gradient reduction on
+            GPU; fp32 on CPU), ``"bf16"`` or ``"fp32"``. The value head, the log-probs and the
+            values stay fp32 (``docs/fsdp.md``).
+        fsdp_cpu_offload: under FSDP2, keep parameter shards, gradients and optimizer states in
+            host memory (``CPUOffloadPolicy``; slower steps, see ``docs/fsdp.md``).
     """
 
     def __init__(
@@ -137,6 +147,8 @@ class BraceModule(pl.LightningModule):
         tiny_num_layers: int = 2,
         seed: int = 0,
         activation_checkpointing: bool = False,
+        fsdp_mixed_precision: str = "auto",
+        fsdp_cpu_offload: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -181,6 +193,9 @@ class BraceModule(pl.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
         self.activation_checkpointing = activation_checkpointing
+        mixed_precision_dtypes(fsdp_mixed_precision, "cpu")  # validates the setting
+        self.fsdp_mixed_precision = fsdp_mixed_precision
+        self.fsdp_cpu_offload = fsdp_cpu_offload
 
         self.tokenizer = load_tokenizer(actor)
         self.actor = load_actor(
@@ -232,9 +247,17 @@ class BraceModule(pl.LightningModule):
                 "actor_objective.ewma_decay is not supported with ModelParallelStrategy (FSDP2): "
                 "the EWMA actor is a full copy of the actor; use strategy 'ddp' or ewma_decay=None."
             )
+        param_dtype, reduce_dtype = mixed_precision_dtypes(
+            self.fsdp_mixed_precision, self.device_mesh.device_type
+        )
         for model in (self.actor, self.critic):
             parallelize(
-                model, self.device_mesh, activation_checkpointing=self.activation_checkpointing
+                model,
+                self.device_mesh,
+                activation_checkpointing=self.activation_checkpointing,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                cpu_offload=self.fsdp_cpu_offload,
             )
 
     # ------------------------------------------------------------------ optimizers
