@@ -186,6 +186,7 @@ def run_fixed(args: argparse.Namespace) -> None:
         tiny_num_layers=2,
         critic_warmup_steps=0,
         micro_batch_size=2,
+        max_tokens_per_micro_batch=args.max_tokens,
         # SGD with momentum: unlike Adam the update scales with the gradient, so a wrong factor in
         # the loss normalisation shows, and the momentum buffers test the optimizer checkpoint.
         actor_optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
@@ -234,6 +235,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--stop-after", type=int, default=0)
     parser.add_argument("--resume", type=str, default=None)
     args = parser.parse_args(argv)
