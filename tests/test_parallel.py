@@ -290,15 +290,20 @@ def test_sharded_checkpoint_resumes_to_the_uninterrupted_weights(tmp_path: Path)
         assert _max_diff(_weights(resumed)[name], _weights(straight)[name]) == 0.0
 
 
-def _cli(root: Path, *overlays: str, steps: int = 3) -> list[str]:
+def _cli(root: Path, *overlays: str, steps: int = 3, warm_start: bool = False) -> list[str]:
     """Driver arguments of a small CLI run of the quickstart plus ``overlays``; Lightning writes
-    its config and checkpoints under ``root``."""
+    its config and checkpoints under ``root``. ``warm_start`` keeps the quickstart's
+    SupervisedWarmStart (2 steps) instead of removing the callbacks."""
     args = ["cli", "--", "fit", "--config", str(CONFIGS / "quickstart.yaml")]
     for overlay in overlays:
         args += ["--config", str(CONFIGS / overlay)]
     return [
         *args,
-        "--trainer.callbacks=[]",
+        *(
+            ["--trainer.callbacks.init_args.steps=2", "--trainer.callbacks.init_args.num_pairs=64"]
+            if warm_start
+            else ["--trainer.callbacks=[]"]
+        ),
         f"--trainer.default_root_dir={root}",
         f"--trainer.limit_train_batches={steps}",
         "--trainer.logger=false",
@@ -346,14 +351,26 @@ def test_fsdp_recipe_ranks_draw_their_own_prompts_and_resume_from_a_sharded_chec
 
 
 @pytest.mark.slow
-def test_ddp_recipe_ranks_agree(tmp_path: Path) -> None:
+def test_ddp_recipe_with_the_quickstart_warm_start_ranks_agree(tmp_path: Path) -> None:
     reports = _driver(
         tmp_path / "run",
-        *_cli(tmp_path, "ddp/cpu_2proc.yaml", steps=2),
+        *_cli(tmp_path, "ddp/cpu_2proc.yaml", steps=2, warm_start=True),
     )
     _assert_ranks_agree(reports)
     assert not reports[0]["sharded"] and reports[0]["policy_version"] == 2
     assert reports[0]["prompt_stream"] != reports[1]["prompt_stream"]
+
+
+@pytest.mark.slow
+def test_fsdp_recipe_with_the_quickstart_warm_start_ranks_agree(tmp_path: Path) -> None:
+    # The warm start trains the unsharded actor in setup, before FSDP2 shards it (it used to fail
+    # with "FSDP does not support deepcopy" when copying the sharded actor into the critic).
+    reports = _driver(
+        tmp_path / "run",
+        *_cli(tmp_path, "fsdp/cpu_2proc.yaml", steps=1, warm_start=True),
+    )
+    _assert_ranks_agree(reports)
+    assert reports[0]["sharded"] and reports[0]["policy_version"] == 1
 
 
 def test_mixed_precision_dtypes_follow_the_setting_and_the_device() -> None:

@@ -13,7 +13,10 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
+
+from brace_lightning.models.critic import ValueModel
 
 IGNORE_INDEX = -100
 
@@ -73,6 +76,7 @@ def supervised_warm_start(
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
     seed: int = 0,
+    progress: bool = False,
 ) -> list[float]:
     """Train ``model`` in place on completions given prompts; returns the loss of every step.
 
@@ -90,6 +94,7 @@ def supervised_warm_start(
         weight_decay: AdamW weight decay.
         max_grad_norm: gradient-norm clip.
         seed: seed of the batch order.
+        progress: show a progress bar with the loss (tqdm, on stderr).
     """
     if not pairs:
         raise ValueError("supervised_warm_start got no pairs; expected at least one.")
@@ -112,6 +117,7 @@ def supervised_warm_start(
     model.train()
     order: list[int] = []
     losses = []
+    bar = tqdm(total=steps, desc="Warm start", disable=not progress, dynamic_ncols=True)
     for _ in range(steps):
         if len(order) < batch_size:
             order += torch.randperm(len(examples), generator=generator).tolist()
@@ -129,5 +135,49 @@ def supervised_warm_start(
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
+    # No gradient outlives the warm start: a stale .grad would be all-reduced by DDP's reducer (and
+    # applied by the RL optimizer's first step) as if the RL loss had produced it.
+    optimizer.zero_grad(set_to_none=True)
     model.train(was_training)
     return losses
+
+
+def copy_backbone_to_critic(
+    actor: torch.nn.Module, critic: ValueModel, *, seed: int, head_init_std: float = 1e-3
+) -> None:
+    """Load the actor's backbone weights into ``critic.backbone`` and re-initialise its value head.
+
+    In place, on unsharded modules (no copy of the actor is made, so the critic keeps its own
+    storage, device and parallel wrapping-to-be). The head is drawn as :class:`ValueModel` draws it
+    (normal weights of std ``head_init_std``, zero bias), seeded by ``seed``, leaving the global RNG
+    untouched.
+    """
+    base = getattr(actor, "base_model", None)
+    if base is None or base is actor:
+        raise ValueError(
+            f"copy_backbone_to_critic got actor of type {type(actor).__name__}; expected a causal "
+            "LM whose .base_model is its backbone."
+        )
+    critic.backbone.load_state_dict(base.state_dict())
+    head = critic.value_head
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        torch.nn.init.normal_(head.weight, std=head_init_std)
+        torch.nn.init.zeros_(head.bias)
+
+
+def broadcast_from_rank_zero(*modules: torch.nn.Module) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's (no-op without a process group).
+
+    Called after a warm start that every rank ran on its own full copy, so that sharding (which
+    keeps each rank's own slice) assembles one model even if the ranks' arithmetic differed.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    with torch.no_grad():
+        for module in modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                torch.distributed.broadcast(tensor.data, src=0)
