@@ -62,6 +62,7 @@ from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.step_metrics import DUPLICATE_INFO, log_step_metrics
 from brace_lightning.targets import BRACE, ValueTarget
 
 MIN_LOG_RATIO = -20.0
@@ -347,23 +348,14 @@ class BraceModule(pl.LightningModule):
         realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
         self.val_value_gap.update(values, realized, batch.mask)
         size = len(batch)
-        # logger=False: on_validation_end writes them at the rollout step, the x-axis of training.
-        log = {"batch_size": size, "logger": False}
+        # The logged "step" sets the logger's x-axis: the rollout step, as in training.
+        log = {"batch_size": size}
+        self.log("step", float(self.rollout_step), reduce_fx="max", **log)
         self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
         self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
         if batch.correct is not None:
             self.log("val/accuracy", batch.correct.float().mean(), **log)
         self.log("val/value_gap_mc", self.val_value_gap, **log)
-
-    def on_validation_end(self) -> None:
-        values = {
-            name: float(value)
-            for name, value in self.trainer.callback_metrics.items()
-            if name.startswith("val/")
-        }
-        if values and not self.trainer.sanity_checking:
-            for logger in self.loggers:
-                logger.log_metrics(values, step=self.rollout_step)
 
     def _update(
         self,
@@ -595,7 +587,7 @@ class BraceModule(pl.LightningModule):
             else:
                 metrics[name] = per_update.mean()
         for name, value in batch.info.items():
-            if isinstance(value, int | float) and name not in ("temperature",):
+            if isinstance(value, int | float) and name not in ("temperature", *DUPLICATE_INFO):
                 metrics[f"data/{name}"] = float(value)
         # x-axis = rollout step (one rollout batch), not Lightning's global_step, which counts
         # every optimizer step of both optimizers and so moves unevenly across critic warm-up.
@@ -604,19 +596,7 @@ class BraceModule(pl.LightningModule):
             per_rank: list[Any] = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(per_rank, values)
             values = combine_rank_metrics(per_rank)
-        for logger in self.loggers:
-            logger.log_metrics(values, step=self.rollout_step)
-        self.log(
-            "reward", values["rollout/reward"], prog_bar=True, logger=False, batch_size=len(batch)
-        )
-        if "rollout/accuracy" in values:
-            self.log(
-                "acc",
-                values["rollout/accuracy"],
-                prog_bar=True,
-                logger=False,
-                batch_size=len(batch),
-            )
+        log_step_metrics(self, values, self.rollout_step, len(batch))
 
     def _beta_metrics(self, batch: RolloutBatch, returns: torch.Tensor) -> dict[str, float]:
         """β of this step's critic targets on the realized return, per remaining-horizon bin
