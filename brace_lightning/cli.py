@@ -4,6 +4,7 @@ brace-lightning fit --config configs/quickstart.yaml
 brace-lightning fit --config configs/quickstart.yaml --config configs/targets/gae.yaml
 brace-lightning fit --config configs/quickstart.yaml --model.value_target.init_args.k 20
 brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
+brace-lightning export --ckpt_path runs/.../checkpoints/last.ckpt --out exported  # HF folders
 
 ``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe —
 ``brace_lightning.data.RolloutDataModule`` or ``AsyncRolloutDataModule`` — and
@@ -12,11 +13,14 @@ brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from brace_lightning.cli_errors import check_config_files, check_engine_factory, construction_errors
 from brace_lightning.module import BraceModule
 
 
@@ -26,12 +30,22 @@ class BraceCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.actor", "data.init_args.tokenizer")
 
+    def instantiate_classes(self) -> None:
+        """Build the objects; a class's ValueError is reported like a parse error (exit 2)."""
+        config = (
+            self.config.get(str(self.subcommand), self.config) if self.subcommand else self.config
+        )
+        with construction_errors(self.parser, config):
+            super().instantiate_classes()
+            check_engine_factory(getattr(self.datamodule, "engine_factory", None))
+
 
 def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     """Run the CLI on ``args`` (default ``sys.argv[1:]``) and return it (its trainer, model, data).
 
     ``cli_kwargs`` go to :class:`LightningCLI` (e.g. ``trainer_defaults={"callbacks": [...]}``).
     """
+    check_config_files(sys.argv[1:] if args is None else args)
     return BraceCLI(
         BraceModule,
         LightningDataModule,
@@ -43,7 +57,18 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
 
 
 def main() -> None:
-    """Console-script entry point ``brace-lightning``."""
+    """Console-script entry point ``brace-lightning``.
+
+    The working directory goes first on ``sys.path``, as with ``python -m``, so that a recipe can
+    name a user's own module there (``--data.reward my_reward.ExactMatch``).
+    """
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    if sys.argv[1:2] == ["export"]:
+        from brace_lightning.export import main as export_main
+
+        export_main(sys.argv[2:])
+        return
     run()
 
 

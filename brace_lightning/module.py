@@ -39,14 +39,30 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
+from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
+from brace_lightning.hparams import from_config, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.parallelize import full_state_dict, is_sharded, parallelize
+from brace_lightning.models.health import require_finite_logprobs, require_finite_weights
+from brace_lightning.models.microbatch import (
+    MicroBatch,
+    equalize,
+    plan_micro_batches,
+    score_rows,
+    widen,
+)
+from brace_lightning.models.parallelize import (
+    full_state_dict,
+    is_sharded,
+    mixed_precision_dtypes,
+    parallelize,
+)
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.step_metrics import DUPLICATE_INFO, log_step_metrics
 from brace_lightning.targets import BRACE, ValueTarget
 
 MIN_LOG_RATIO = -20.0
@@ -92,6 +108,9 @@ class BraceModule(pl.LightningModule):
         ppo_epochs: passes over each rollout batch.
         num_minibatches: optimizer steps per pass (the batch's rows are split evenly).
         micro_batch_size: rows per forward/backward inside a minibatch (None = the whole minibatch).
+        max_tokens_per_micro_batch: padded tokens (rows × width) per forward/backward; rows are
+            sorted by length and grouped under both limits (``models/microbatch.py``). Also used for
+            the scoring forwards (old log-probs, values) at the start of a step. None = no budget.
         critic_warmup_steps: rollout steps during which only the critic is trained.
         max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
         whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
@@ -100,6 +119,11 @@ class BraceModule(pl.LightningModule):
         seed: seed of the tiny model's initialisation and of the minibatch shuffling.
         activation_checkpointing: under ``ModelParallelStrategy`` (FSDP2), recompute each
             transformer block's activations in the backward pass (less memory, one more forward).
+        fsdp_mixed_precision: under FSDP2, ``"auto"`` (bf16 parameters, fp32 gradient reduction on
+            GPU; fp32 on CPU), ``"bf16"`` or ``"fp32"``. The value head, the log-probs and the
+            values stay fp32 (``docs/fsdp.md``).
+        fsdp_cpu_offload: under FSDP2, keep parameter shards, gradients and optimizer states in
+            host memory (``CPUOffloadPolicy``; slower steps, see ``docs/fsdp.md``).
     """
 
     def __init__(
@@ -117,6 +141,7 @@ class BraceModule(pl.LightningModule):
         ppo_epochs: int = 1,
         num_minibatches: int = 1,
         micro_batch_size: int | None = None,
+        max_tokens_per_micro_batch: int | None = None,
         critic_warmup_steps: int = 5,
         max_grad_norm: float | None = 1.0,
         whiten_advantages: bool = True,
@@ -124,6 +149,8 @@ class BraceModule(pl.LightningModule):
         tiny_num_layers: int = 2,
         seed: int = 0,
         activation_checkpointing: bool = False,
+        fsdp_mixed_precision: str = "auto",
+        fsdp_cpu_offload: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -132,26 +159,26 @@ class BraceModule(pl.LightningModule):
             ("critic_warmup_steps", critic_warmup_steps, 0),
         ):
             require_int(name, value, low)
-        if micro_batch_size is not None and (
-            not isinstance(micro_batch_size, int) or micro_batch_size < 1
+        for name, value in (
+            ("micro_batch_size", micro_batch_size),
+            ("max_tokens_per_micro_batch", max_tokens_per_micro_batch),
         ):
-            raise ValueError(
-                f"micro_batch_size must be None or an integer >= 1; got {micro_batch_size!r}."
-            )
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
-        if not isinstance(value_target, ValueTarget):
-            raise ValueError(
-                f"value_target must be a brace_lightning.targets.ValueTarget; got {value_target!r}."
-            )
-        if not isinstance(actor_objective, ActorObjective):
-            raise ValueError(
-                "actor_objective must be a brace_lightning.objectives.ActorObjective; got "
-                f"{actor_objective!r}."
-            )
-        self.save_hyperparameters(
-            ignore=["value_target", "actor_objective", "critic_loss"], logger=False
-        )
+        # load_from_checkpoint passes the saved class_path configs (brace_lightning/hparams.py).
+        value_target = from_config(value_target, ValueTarget, "value_target")
+        actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
+        critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
+        self.save_hyperparameters()
+        objects = {
+            name: to_config(self.hparams[name])
+            for name in ("value_target", "actor_objective", "critic_loss")
+            if not isinstance(self.hparams[name], dict)  # built in Python, not by LightningCLI
+        }
+        if objects:
+            self.save_hyperparameters(objects)  # saved as the configs LightningCLI writes
         self.automatic_optimization = False
         self.value_target = value_target
         self.actor_objective = actor_objective
@@ -163,10 +190,14 @@ class BraceModule(pl.LightningModule):
         self.ppo_epochs = ppo_epochs
         self.num_minibatches = num_minibatches
         self.micro_batch_size = micro_batch_size
+        self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
         self.critic_warmup_steps = critic_warmup_steps
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
         self.activation_checkpointing = activation_checkpointing
+        mixed_precision_dtypes(fsdp_mixed_precision, "cpu")  # validates the setting
+        self.fsdp_mixed_precision = fsdp_mixed_precision
+        self.fsdp_cpu_offload = fsdp_cpu_offload
 
         self.tokenizer = load_tokenizer(actor)
         self.actor = load_actor(
@@ -218,9 +249,17 @@ class BraceModule(pl.LightningModule):
                 "actor_objective.ewma_decay is not supported with ModelParallelStrategy (FSDP2): "
                 "the EWMA actor is a full copy of the actor; use strategy 'ddp' or ewma_decay=None."
             )
+        param_dtype, reduce_dtype = mixed_precision_dtypes(
+            self.fsdp_mixed_precision, self.device_mesh.device_type
+        )
         for model in (self.actor, self.critic):
             parallelize(
-                model, self.device_mesh, activation_checkpointing=self.activation_checkpointing
+                model,
+                self.device_mesh,
+                activation_checkpointing=self.activation_checkpointing,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                cpu_offload=self.fsdp_cpu_offload,
             )
 
     # ------------------------------------------------------------------ optimizers
@@ -249,19 +288,19 @@ class BraceModule(pl.LightningModule):
             )
         temperature = float(batch.info.get("temperature", 1.0))
         with torch.no_grad():
-            proximal_logprobs, _ = token_logprobs(
-                self.actor, batch.input_ids, batch.attention_mask, temperature=temperature
+            plan = self._micro_batches(batch.attention_mask)
+            proximal_logprobs = self._score(self.actor, batch, plan, temperature)
+            require_finite_logprobs(proximal_logprobs, batch.mask, rollout_step=self.rollout_step)
+            old_values = shift_values(
+                score_rows(self.critic, batch.input_ids, batch.attention_mask, plan)
             )
-            old_values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
             ewma_logprobs = None
             ewma_seconds = 0.0
             # Before the first actor step the average holds no weights (its copy still has the
             # ones from before any warm start), so π_prox is the actor itself until then.
             if self.ewma_actor is not None and int(self.ewma_steps) > 0:
                 start = time.perf_counter()
-                ewma_logprobs, _ = token_logprobs(
-                    self.ewma_actor, batch.input_ids, batch.attention_mask, temperature=temperature
-                )
+                ewma_logprobs = self._score(self.ewma_actor, batch, plan, temperature)
                 ewma_seconds = time.perf_counter() - start
             start = time.perf_counter()
             with self._blame(self.value_target):
@@ -309,23 +348,14 @@ class BraceModule(pl.LightningModule):
         realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
         self.val_value_gap.update(values, realized, batch.mask)
         size = len(batch)
-        # logger=False: on_validation_end writes them at the rollout step, the x-axis of training.
-        log = {"batch_size": size, "logger": False}
+        # The logged "step" sets the logger's x-axis: the rollout step, as in training.
+        log = {"batch_size": size}
+        self.log("step", float(self.rollout_step), reduce_fx="max", **log)
         self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
         self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
         if batch.correct is not None:
             self.log("val/accuracy", batch.correct.float().mean(), **log)
         self.log("val/value_gap_mc", self.val_value_gap, **log)
-
-    def on_validation_end(self) -> None:
-        values = {
-            name: float(value)
-            for name, value in self.trainer.callback_metrics.items()
-            if name.startswith("val/")
-        }
-        if values and not self.trainer.sanity_checking:
-            for logger in self.loggers:
-                logger.log_metrics(values, step=self.rollout_step)
 
     def _update(
         self,
@@ -342,25 +372,28 @@ class BraceModule(pl.LightningModule):
         actor_opt, critic_opt = self.optimizers()
         tokens = self._global_count(mb.mask)
         scale = self.trainer.world_size / tokens  # DDP averages gradients over ranks
-        size = self.micro_batch_size or len(mb)
         temperature = float(mb.info.get("temperature", 1.0))
+        width = mb.input_ids.shape[1]
         sums: dict[str, torch.Tensor] = {}
-        for start in range(0, len(mb), size):
-            rows = slice(start, start + size)
-            ids, attn, mask = mb.input_ids[rows], mb.attention_mask[rows], mb.mask[rows]
-            values = shift_values(self.critic(ids, attn))
+        for micro in self._micro_batches(mb.attention_mask):
+            rows, cols = micro.rows, micro.columns
+            ids, attn, mask = mb.input_ids[rows, cols], mb.attention_mask[rows, cols], mb.mask[rows]
+            values = shift_values(widen(self.critic(ids, attn), cols, width))
             with self._blame(self.critic_loss):
                 critic_out = self.critic_loss(
                     values=values, old_values=old_values[rows], returns=returns[rows], mask=mask
                 )
-            critic_loss = critic_out.token_loss.sum() * scale
+            # A filler (weight 0) only keeps the ranks' backward counts equal.
+            critic_loss = critic_out.token_loss.sum() * scale * micro.weight
             self._check_finite("critic loss", critic_loss)
             self.manual_backward(critic_loss)
-            _add(sums, "critic/loss", critic_loss.detach() / self.trainer.world_size)
-            _add_stats(sums, "critic", critic_out.stats, tokens)
+            if micro.weight:
+                _add(sums, "critic/loss", critic_loss.detach() / self.trainer.world_size)
+                _add_stats(sums, "critic", critic_out.stats, tokens)
             if not train_actor:
                 continue
             logprobs, _ = token_logprobs(self.actor, ids, attn, temperature=temperature)
+            logprobs = widen(logprobs, cols, width)
             prox = proximal_logprobs[rows] if ewma_logprobs is None else ewma_logprobs[rows]
             with self._blame(self.actor_objective):
                 actor_out = self.actor_objective(
@@ -371,11 +404,12 @@ class BraceModule(pl.LightningModule):
                     mask=mask,
                     entropy=None if mb.entropy is None else mb.entropy[rows],
                 )
-            actor_loss = actor_out.token_loss.sum() * scale
+            actor_loss = actor_out.token_loss.sum() * scale * micro.weight
             self._check_finite("actor loss", actor_loss)
             self.manual_backward(actor_loss)
-            _add(sums, "actor/loss", actor_loss.detach() / self.trainer.world_size)
-            _add_stats(sums, "actor", actor_out.stats, tokens)
+            if micro.weight:
+                _add(sums, "actor/loss", actor_loss.detach() / self.trainer.world_size)
+                _add_stats(sums, "actor", actor_out.stats, tokens)
         if self.trainer.world_size > 1:
             sums = self._reduce_over_ranks(sums)
         for name, value in sums.items():
@@ -417,6 +451,29 @@ class BraceModule(pl.LightningModule):
         centered = torch.where(mask, x - mean, 0.0)
         var = strategy.reduce((centered**2).sum(), reduce_op="sum") / count
         return centered * torch.rsqrt(var + eps)
+
+    def _micro_batches(self, attention_mask: torch.Tensor) -> list[MicroBatch]:
+        """This rank's micro-batches of a minibatch, as many as on the rank with the most."""
+        plan = plan_micro_batches(
+            attention_mask,
+            max_rows=self.micro_batch_size,
+            max_tokens=self.max_tokens_per_micro_batch,
+        )
+        if self.trainer.world_size > 1:
+            count = torch.tensor(float(len(plan)), device=attention_mask.device)
+            count = self.trainer.strategy.reduce(count, reduce_op="max")
+            plan = equalize(plan, int(count), attention_mask)
+        return plan
+
+    def _score(
+        self, actor: nn.Module, batch: RolloutBatch, plan: list[MicroBatch], temperature: float
+    ) -> torch.Tensor:
+        """``[B, T]`` log-probs of ``batch`` under ``actor``, micro-batch by micro-batch."""
+
+        def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+            return token_logprobs(actor, ids, attn, temperature=temperature)[0]
+
+        return score_rows(logprobs, batch.input_ids, batch.attention_mask, plan)
 
     def _global_count(self, mask: torch.Tensor) -> torch.Tensor:
         """Action tokens of this minibatch summed over all data-parallel ranks (at least 1)."""
@@ -480,6 +537,7 @@ class BraceModule(pl.LightningModule):
             # Under FSDP every rank takes part in the gather and gets the full weights.
             sharded = is_sharded(self.actor)
             weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
+            require_finite_weights(weights, rollout_step=self.rollout_step - 1)
             datamodule.publish(weights, self.policy_version)
 
     def _log_step(
@@ -529,7 +587,7 @@ class BraceModule(pl.LightningModule):
             else:
                 metrics[name] = per_update.mean()
         for name, value in batch.info.items():
-            if isinstance(value, int | float) and name not in ("temperature",):
+            if isinstance(value, int | float) and name not in ("temperature", *DUPLICATE_INFO):
                 metrics[f"data/{name}"] = float(value)
         # x-axis = rollout step (one rollout batch), not Lightning's global_step, which counts
         # every optimizer step of both optimizers and so moves unevenly across critic warm-up.
@@ -538,19 +596,7 @@ class BraceModule(pl.LightningModule):
             per_rank: list[Any] = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(per_rank, values)
             values = combine_rank_metrics(per_rank)
-        for logger in self.loggers:
-            logger.log_metrics(values, step=self.rollout_step)
-        self.log(
-            "reward", values["rollout/reward"], prog_bar=True, logger=False, batch_size=len(batch)
-        )
-        if "rollout/accuracy" in values:
-            self.log(
-                "acc",
-                values["rollout/accuracy"],
-                prog_bar=True,
-                logger=False,
-                batch_size=len(batch),
-            )
+        log_step_metrics(self, values, self.rollout_step, len(batch))
 
     def _beta_metrics(self, batch: RolloutBatch, returns: torch.Tensor) -> dict[str, float]:
         """β of this step's critic targets on the realized return, per remaining-horizon bin
@@ -570,6 +616,10 @@ class BraceModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _attached_datamodule(self) -> pl.LightningDataModule | None:
+        """The trainer's data module; None for a module without a trainer (load_from_checkpoint)."""
+        return None if self._trainer is None else self._trainer.datamodule
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["brace"] = {
             "policy_version": self.policy_version,
@@ -579,10 +629,12 @@ class BraceModule(pl.LightningModule):
             "python_rng": random.getstate(),
             # as plain types so the checkpoint loads with torch.load(weights_only=True)
             "numpy_rng": _numpy_state_to_plain(np.random.get_state()),
+            RECORD_KEY: data_module_name(self._attached_datamodule()),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["brace"]
+        check_same_data_module(checkpoint, state.get(RECORD_KEY), self._attached_datamodule())
         self.policy_version = int(state["policy_version"])
         self.rollout_step = int(state["rollout_step"])
         self._shuffle.set_state(state["shuffle"])

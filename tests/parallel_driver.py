@@ -186,6 +186,7 @@ def run_fixed(args: argparse.Namespace) -> None:
         tiny_num_layers=2,
         critic_warmup_steps=0,
         micro_batch_size=2,
+        max_tokens_per_micro_batch=args.max_tokens,
         # SGD with momentum: unlike Adam the update scales with the gradient, so a wrong factor in
         # the loss normalisation shows, and the momentum buffers test the optimizer checkpoint.
         actor_optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
@@ -202,6 +203,7 @@ def run_fixed(args: argparse.Namespace) -> None:
         max_epochs=1,
         limit_train_batches=args.steps,
         logger=Recorder(),
+        log_every_n_steps=1,  # the module logs through self.log_dict, once per rollout step
         callbacks=callbacks,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -234,6 +236,7 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--activation-checkpointing", action="store_true")
+    parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--stop-after", type=int, default=0)
     parser.add_argument("--resume", type=str, default=None)
     args = parser.parse_args(argv)

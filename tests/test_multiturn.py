@@ -5,6 +5,9 @@ from __future__ import annotations
 import builtins
 import math
 import pickle
+import random
+import re
+import time
 from collections.abc import Mapping, Sequence
 from fractions import Fraction
 from pathlib import Path
@@ -32,7 +35,9 @@ from brace_lightning.tasks import (
     RetrievalQA,
     ToolEnvironment,
 )
+from brace_lightning.tasks.arithmetic import parse_final_answer
 from brace_lightning.tasks.calculator import CalculatorError, format_number, safe_eval
+from brace_lightning.tasks.env import strip_blocks
 from brace_lightning.tasks.gsm8k import load_gsm8k_jsonl
 from brace_lightning.tasks.retrieval import bm25_tokenize, exact_match, normalize_answer
 from tests.test_trainer import CONFIGS, small_run
@@ -118,6 +123,67 @@ def test_calculator_observations_never_raise():
     assert env.observe(prompt, "<calc>1/0</calc>") == "<result>error: division by zero</result>"
     assert "error: unsupported Call" in env.observe(prompt, "<calc>exit()</calc>")
     assert "error: no <calc>" in env.observe(prompt, "just </calc>")
+
+
+def test_calculator_bounds_the_size_of_every_value():
+    """Issue 17.1: 85 policy-written characters made ``format_number`` raise (4300-digit limit)."""
+    env, prompt = CalculatorEnv(), Prompt("q", "1")
+    call = "<calc>" + "1e308*" * 14 + "1</calc>"
+    assert env.observe(prompt, call) == "<result>error: number out of range</result>"
+    tiny = "<calc>1" + "/1e300" * 20 + "</calc>"  # the denominator grows instead
+    assert env.observe(prompt, tiny) == "<result>error: number out of range</result>"
+    assert (
+        env.observe(prompt, "<calc>1e308*1e308*1e308</calc>")
+        == "<result>1" + "0" * 924 + "</result>"
+    )
+    hostile = [  # each at most MAX_EXPRESSION_CHARS: the work per call is bounded, and small
+        "9" * 200,
+        "(" * 99 + "1" + ")" * 99,
+        "-" * 199 + "1",
+        ("1e308*" * 34)[:199] + "1",
+        ("1/3+" * 50)[:199] + "1",
+        ("1e-308/" * 29)[:199] + "1",
+        ("99999999999*" * 17)[:199] + "9",
+    ]
+    for expression in hostile:
+        start = time.perf_counter()
+        assert env.observe(prompt, f"<calc>{expression}</calc>").startswith("<result>")
+        assert time.perf_counter() - start < 0.05, expression
+
+
+class BrokenToolEnv(CalculatorEnv):
+    def observe(self, prompt: Prompt, transcript: str) -> str | None:
+        if transcript.endswith("<calc>2</calc>"):
+            raise RuntimeError("tool backend down")
+        return super().observe(prompt, transcript)
+
+
+def test_observe_failures_become_error_observations_and_are_counted(tokenizer, caplog):
+    script = {"a": ["<calc>2</calc>", "<calc>3</calc>", "#3" + EOS], "b": ["#1" + EOS]}
+    prompts = [Prompt("a", "3"), Prompt("b", "1")]
+    batch = collect_episodes(ScriptedEngine(tokenizer, script), prompts, tokenizer, BrokenToolEnv())
+    assert batch.info["tool_errors"] == 1 and batch.info["generated"] == 2
+    assert "tool backend down" in caplog.text
+    text = tokenizer.decode(batch.input_ids[0][batch.attention_mask[0]], skip_special_tokens=True)
+    assert "<calc>2</calc><result>error: the tool failed (RuntimeError)</result>" in text
+    assert "<calc>3</calc><result>3</result>#3" in text  # the episode went on
+    assert batch.rewards[0].sum() == 1.0
+
+
+def test_answer_extraction_is_linear_and_matches_the_regex():
+    """Issue 17.1: ``<answer>(.*?)</answer>`` took seconds on 64k characters of unclosed tags."""
+    hostile = "<answer>" * 8000  # 64,000 characters
+    start = time.perf_counter()
+    assert RetrievalEnv.final_answer(hostile) is None
+    assert RetrievalEnv.final_answer(hostile + "x</answer>") == "<answer>" * 7999 + "x"
+    assert time.perf_counter() - start < 0.2
+    rng = random.Random(0)
+    pieces = ["<answer>", "</answer>", "<info>", "</info>", "a", "b "]
+    for _ in range(500):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(0, 12)))
+        found = re.findall(r"<answer>(.*?)</answer>", strip_blocks(text, ("info",)), re.S)
+        assert RetrievalEnv.final_answer(text) == (found[-1] if found else None), text
+    assert parse_final_answer("#" + "9" * 5000) is None  # int() would refuse 4300+ digits
 
 
 def test_calculator_verifier_reads_the_policy_answer_only():

@@ -271,6 +271,33 @@ def test_vtrace_products_with_cbar_above_one_grow_where_brace_stays_bounded():
     assert float(br.returns.abs().max()) < 1.1**100 * 2
 
 
+@pytest.mark.parametrize(
+    "estimator",
+    [
+        lambda *a: vtrace(*a, rho_bar=1.2, c_bar=1.1),
+        lambda *a: brace(*a, rho_bar=1.2, c_bar=1.1, k=None),
+        lambda *a: brace(*a, rho_bar=1.2, c_bar=1.1, k=5000),
+    ],
+    ids=["vtrace", "brace-no-cap", "brace-k5000"],
+)
+def test_overflowing_weight_products_raise_instead_of_returning_nan(estimator):
+    """Issue 17.8: a 30,000-action row whose weights all exceed c̄ overflowed to NaN silently."""
+    T = 30000
+    mask = torch.ones(1, T, dtype=torch.bool)
+    rewards = torch.zeros(1, T)
+    rewards[0, -1] = 1.0
+    values = torch.rand(1, T, generator=torch.Generator().manual_seed(3))
+    target = torch.zeros(1, T)
+    behavior = torch.full((1, T), -0.5)  # w = e^0.5 > c̄ everywhere
+    with pytest.raises(
+        ValueError, match=r"^the importance-weight products overflowed .*use lmbda\*c_bar <= 1"
+    ):
+        estimator(rewards, values, target, behavior, mask)
+    # The same row is fine under the paper's cap.
+    out = brace(rewards, values, target, behavior, mask, rho_bar=1.2, c_bar=1.1, k=100)
+    assert bool(torch.isfinite(out.returns).all())
+
+
 # ----------------------------------------------------------------------------- devices / modes
 
 

@@ -238,11 +238,18 @@ def test_a_failing_reward_drops_samples_and_counts_them(tmp_path):
 
 
 @pytest.mark.slow
-def test_an_empty_batch_stops_with_one_sentence_naming_the_step(tmp_path):
+def test_a_verifier_that_always_fails_stops_with_one_sentence(tmp_path):
+    # Empty batches are skipped (tests/test_faults.py); three in a row stop the run.
     with pytest.raises(
-        RuntimeError, match=r"^rollout step 0: the rollout batch has no action tokens"
+        RuntimeError, match=r"^3 rollout batches in a row had no sample to train on \(counts"
     ):
-        run(small_run(tmp_path, "--data.reward=tests.test_trainer.FailingReward"))
+        run(
+            small_run(
+                tmp_path,
+                "--data.reward=tests.test_trainer.FailingReward",
+                "--data.max_consecutive_empty_batches=3",
+            )
+        )
 
 
 @pytest.mark.slow

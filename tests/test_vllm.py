@@ -21,6 +21,7 @@ from brace_lightning.logs import read_scalars  # noqa: E402
 from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
 from brace_lightning.rollout.collect import generation_batch, max_logprob_gap  # noqa: E402
 from brace_lightning.rollout.embedded import EmbeddedEngine  # noqa: E402
+from brace_lightning.rollout.engine import PromptLimit  # noqa: E402
 from brace_lightning.rollout.vllm import VLLMEngine, versions_from_spans  # noqa: E402
 from tests.test_trainer import CONFIGS, small_run  # noqa: E402
 
@@ -202,3 +203,19 @@ def test_fit_with_vllm_in_the_async_data_module(tmp_path):
     assert all(0 <= s <= 2 for s in staleness), staleness
     # Versions come from vLLM's per-token weight labels; the trainer published 3 versions.
     assert [value for _, value in scalars["data/trainer_version"]][-1] >= 2
+
+
+def test_long_prompts_are_refused_or_cut_by_max_prompt_tokens(engine):
+    """Issue 17.4: a prompt beyond the context (128 - 12 new tokens here) is refused by default."""
+    with pytest.raises(
+        ValueError, match=r"^VLLMEngine got prompt 1 of 200 tokens; expected at most"
+    ):
+        engine.generate([[5, 6], [7] * 200])
+    default = engine.prompt_limit
+    try:
+        engine.prompt_limit = PromptLimit("VLLMEngine", 8, "left", 128, 12)
+        out = engine.generate([[5, 6], [7] * 190 + list(range(10, 18))], num_samples=2)
+        assert out.truncated_prompts == 2 and out.prompt_ids[2] == list(range(10, 18))
+        assert all(len(r) > 0 for r in out.response_ids)
+    finally:
+        engine.prompt_limit = default

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -25,6 +27,7 @@
 # `configs/quickstart.yaml` is the full-size version (`brace-lightning fit --config ...`).
 
 # %%
+import functools
 import tempfile
 
 import lightning.pytorch as pl
@@ -58,15 +61,15 @@ def train(value_target, name: str) -> str:
     module = BraceModule(
         actor="tiny-char",
         value_target=value_target,
-        actor_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
-        critic_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        actor_optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        critic_optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         critic_warmup_steps=2,
         num_minibatches=2,
     )
     data = RolloutDataModule(
         task=ArithmeticTask(num_operands=2, max_value=20, ops="+-"),
         reward=ArithmeticReward(),
-        engine=lambda actor: EmbeddedEngine(actor, temperature=1.0, max_new_tokens=16),
+        engine=functools.partial(EmbeddedEngine, temperature=1.0, max_new_tokens=16),
         prompts_per_step=8,
         samples_per_prompt=4,
         lag=2,

@@ -68,8 +68,8 @@ def train(value_target, *, max_staleness, lag_mode, steps, name, producer="proce
         tiny_hidden_size=64,
         tiny_num_layers=1,
         value_target=value_target,
-        actor_optimizer=lambda params: torch.optim.AdamW(params, lr=3e-4),
-        critic_optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3),
+        actor_optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
+        critic_optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
         critic_warmup_steps=2,
         num_minibatches=2,
     )

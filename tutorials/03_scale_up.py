@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -94,7 +96,7 @@ losses = supervised_warm_start(actor, tokenizer, pairs, steps=300, batch_size=64
 print(
     f"warm start: loss {losses[0]:.2f} -> {losses[-1]:.3f} in {time.perf_counter() - start:.0f} s"
 )
-actor.eval()
+actor = actor.eval()
 
 # %% [markdown]
 # ## Calculator episodes with vLLM

@@ -57,6 +57,7 @@ from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from brace_lightning.checks import require_int
+from brace_lightning.data.empty import EmptyBatchGuard
 from brace_lightning.data.sync import (
     COUNTERS,
     EngineFactory,
@@ -129,6 +130,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         seed: seed of the prompt draws.
         val_batches: rollout batches per validation pass, generated in the training process with
             the current weights (not by the producer); 0 = no validation.
+        max_consecutive_empty_batches: a batch with no sample left to train on (all dropped) is
+            skipped and counted in ``count/empty_batches``; this many in a row stop the run.
     """
 
     def __init__(
@@ -149,8 +152,10 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         producer_timeout: float = 300.0,
         seed: int = 0,
         val_batches: int = 0,
+        max_consecutive_empty_batches: int = 10,
     ) -> None:
         super().__init__()
+        self._empty = EmptyBatchGuard(max_consecutive_empty_batches)
         for name, value, low in (
             ("prompts_per_step", prompts_per_step, 1),
             ("samples_per_prompt", samples_per_prompt, 1),
@@ -499,6 +504,13 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ batches
 
     def next_batch(self) -> RolloutBatch:
+        """The next rollout batch with a sample to train on; empty ones are skipped and counted
+        (:class:`~brace_lightning.data.empty.EmptyBatchGuard`)."""
+        while self._empty.skip(batch := self._consume_batch(), self.counters):
+            pass
+        return batch
+
+    def _consume_batch(self) -> RolloutBatch:
         """The next rollout batch, staleness-checked against the current ``trainer_version``."""
         if not self._started:
             actor = self._trainer_actor()
@@ -519,7 +531,11 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             self._trainer_idle_total += waited
         elapsed = max(time.monotonic() - (self._first_return or time.monotonic()), 1e-9)
         staleness = report.staleness.float()
-        mixed = batch.versions.amax(dim=1) != batch.min_versions()  # versions are -1 off actions
+        mixed = (  # versions are -1 off actions; a batch that lost every row may have no columns
+            batch.versions.amax(dim=1) != batch.min_versions()
+            if batch.versions.shape[1]
+            else torch.zeros(len(batch), dtype=torch.bool)
+        )
         info: dict[str, float] = {
             "staleness_mean": float(staleness.mean()) if len(batch) else 0.0,
             "staleness_max": float(staleness.max()) if len(batch) else 0.0,

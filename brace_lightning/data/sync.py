@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.checks import require_int
+from brace_lightning.data.empty import EmptyBatchGuard
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import unsharded_copy
 from brace_lightning.rollout.embedded import EmbeddedEngine
@@ -36,7 +37,16 @@ from brace_lightning.tasks.env import ToolEnvironment
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
 
-COUNTERS = ("generated", "trained", "dropped_stale", "dropped_reward_error", "dropped_empty")
+#: Sample counters (generated = trained + dropped_*), then ``empty_batches``, the rollout batches
+#: skipped because nothing in them was left to train on (``data/empty.py``).
+COUNTERS = (
+    "generated",
+    "trained",
+    "dropped_stale",
+    "dropped_reward_error",
+    "dropped_empty",
+    "empty_batches",
+)
 
 
 class _RolloutStream(IterableDataset):
@@ -118,6 +128,8 @@ class RolloutDataModule(pl.LightningDataModule):
         val_batches: rollout batches per validation pass (``validate``, and during ``fit`` every
             ``trainer.check_val_every_n_epoch``), sampled with the current weights from the same
             fixed prompts each time; 0 = no validation.
+        max_consecutive_empty_batches: a batch with no sample left to train on (all dropped) is
+            skipped and counted in ``count/empty_batches``; this many in a row stop the run.
     """
 
     def __init__(
@@ -134,8 +146,10 @@ class RolloutDataModule(pl.LightningDataModule):
         max_staleness: int | None = None,
         seed: int = 0,
         val_batches: int = 0,
+        max_consecutive_empty_batches: int = 10,
     ) -> None:
         super().__init__()
+        self._empty = EmptyBatchGuard(max_consecutive_empty_batches)
         for name, value, low in (
             ("prompts_per_step", prompts_per_step, 1),
             ("samples_per_prompt", samples_per_prompt, 1),
@@ -205,7 +219,7 @@ class RolloutDataModule(pl.LightningDataModule):
         state_dict = rank_state(self, state_dict)
         self._generator.set_state(state_dict["generator"])
         self.trainer_version = int(state_dict["trainer_version"])
-        self.counters = dict(state_dict["counters"])
+        self.counters = {**dict.fromkeys(COUNTERS, 0), **state_dict["counters"]}
         self._next_group = int(state_dict["next_group"])
         self._history = OrderedDict(sorted(state_dict["history"].items()))
         self._engine_state = state_dict["engine"]
@@ -266,6 +280,13 @@ class RolloutDataModule(pl.LightningDataModule):
     # ------------------------------------------------------------------ batches
 
     def next_batch(self) -> RolloutBatch:
+        """The next rollout batch with a sample to train on; empty ones are skipped and counted
+        (:class:`~brace_lightning.data.empty.EmptyBatchGuard`)."""
+        while self._empty.skip(batch := self._generate_batch(), self.counters):
+            pass
+        return batch
+
+    def _generate_batch(self) -> RolloutBatch:
         """Generate, score and staleness-check one rollout batch."""
         engine = self._ensure_engine()
         prompts = self.task.sample(self.prompts_per_step, self._generator)

@@ -4,7 +4,8 @@
 model from a config; :func:`tiny_qwen2_config` is the small Qwen2 used by tests, tutorials and the
 CPU quickstart (head_dim 32 so that vLLM's CPU attention can serve it too).
 
-:func:`token_logprobs` is the one place where log π(token) is computed from a model. The engines
+:func:`token_logprobs` is the one place where log π(token) is computed from a model (by default in
+chunks of positions from the final hidden states, see ``models/chunked.py``). The engines
 record log µ with the same temperature scaling, so at equal weights the two agree up to float error
 (``tests/test_engine.py`` checks it). Layout follows ``rollout/types.py``: the log-prob of the token
 at column t comes from the logits at column t − 1 and is stored at column t.
@@ -16,6 +17,13 @@ import copy
 
 import torch
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel, Qwen2Config
+
+from brace_lightning.models.chunked import (
+    accumulation_dtype,
+    chunked_head_logprobs,
+    final_hidden_states,
+    linear_lm_head,
+)
 
 
 def tiny_qwen2_config(
@@ -142,6 +150,11 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
     return (attention_mask.long().cumsum(dim=-1) - 1).clamp(min=0)
 
 
+#: Positions per chunk of :func:`token_logprobs`' chunked path: peak extra memory is a few
+#: ``[DEFAULT_CHUNK_SIZE, V]`` float32 blocks (about 0.6 GB each at V = 151,936).
+DEFAULT_CHUNK_SIZE = 1024
+
+
 def token_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -149,23 +162,33 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-prob of every token under ``model``, stored at the token's own column.
 
     ``logprobs[b, t] = log_softmax(logits[b, t − 1] / temperature)[input_ids[b, t]]`` and
-    ``entropy[b, t] = H(softmax(logits[b, t − 1] / temperature))``, computed in float32. Column 0
+    ``entropy[b, t] = H(softmax(logits[b, t − 1] / temperature))``, computed in float32 (float64
+    for a float64 model). Column 0
     and every column whose token or predecessor is padding get 0. Gradients flow (the trainer calls
     this for π); wrap it in ``torch.no_grad()`` for evaluation.
+
+    With ``chunk_size`` set and a plain linear LM head (:func:`~brace_lightning.models.chunked.
+    linear_lm_head`), the model returns only its final hidden states and the head is applied to
+    ``chunk_size`` real positions at a time (:func:`~brace_lightning.models.chunked.
+    chunked_head_logprobs`), so ``[B, T, V]`` never exists; the values equal the full path's to
+    float32 round-off. Otherwise the full logits are computed as before.
 
     Args:
         model: a causal LM returning ``.logits`` of shape ``[B, T, V]``.
         input_ids: ``[B, T]`` long, prompts left-padded (``rollout/types.py`` layout).
         attention_mask: ``[B, T]`` bool or integer, True at real tokens.
         temperature: the sampling temperature the engine used; must be > 0.
-        return_entropy: also return the per-position entropy (costs one more pass over ``[B, T, V]``).
+        return_entropy: also return the per-position entropy.
+        chunk_size: positions per chunk of the chunked path; None forces the full path.
 
     Returns:
-        ``(logprobs, entropy)``, both ``[B, T]`` float32; ``entropy`` is None unless requested.
+        ``(logprobs, entropy)``, both ``[B, T]`` float32 (float64 for a float64 model);
+        ``entropy`` is None unless requested.
     """
     if not temperature > 0:
         raise ValueError(f"token_logprobs got temperature={temperature}; expected a value > 0.")
@@ -174,18 +197,35 @@ def token_logprobs(
             f"token_logprobs got attention_mask of shape {tuple(attention_mask.shape)}; expected "
             f"[B, T] equal to input_ids' {tuple(input_ids.shape)}."
         )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"token_logprobs got chunk_size={chunk_size!r}; expected None or an integer >= 1."
+        )
     position_ids = position_ids_from_attention_mask(attention_mask)
-    logits = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=position_ids,
-        use_cache=False,
-    ).logits
-    logits = logits[:, :-1].float() / temperature  # [B, T-1, V] predicts columns 1..T-1
-    log_z = torch.logsumexp(logits, dim=-1)  # [B, T-1]
-    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_z
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids,
+    }
     real = attention_mask.bool()
     valid = real[:, 1:] & real[:, :-1]
+    head = None if chunk_size is None else linear_lm_head(model)
+    if head is not None:
+        hidden = final_hidden_states(model, **inputs)[:, :-1][valid]  # [N, H], real positions only
+        picked, ent = chunked_head_logprobs(
+            hidden,
+            head,
+            input_ids[:, 1:][valid],
+            temperature=temperature,
+            chunk_size=chunk_size,
+            return_entropy=return_entropy,
+        )
+        logprobs = _scatter_columns(picked, valid)
+        return logprobs, None if ent is None else _scatter_columns(ent, valid)
+    logits = model(**inputs, use_cache=False).logits
+    logits = logits[:, :-1].to(accumulation_dtype(logits.dtype)) / temperature  # [B, T-1, V]
+    log_z = torch.logsumexp(logits, dim=-1)  # [B, T-1]
+    picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_z
     zeros = logits.new_zeros(input_ids.shape[0], 1)
     # torch.where (not a product) so garbage logits at padding can never leak into the result.
     logprobs = torch.cat([zeros, torch.where(valid, picked, torch.zeros_like(picked))], dim=1)
@@ -195,3 +235,10 @@ def token_logprobs(
     ent = -(log_p.exp() * log_p).sum(dim=-1)
     entropy = torch.cat([zeros, torch.where(valid, ent, torch.zeros_like(ent))], dim=1)
     return logprobs, entropy
+
+
+def _scatter_columns(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[N]`` values of the positions where ``valid`` (``[B, T − 1]``) is True, laid out as
+    ``[B, T]`` with column 0 and every other position 0 (differentiable)."""
+    out = values.new_zeros(valid.shape).masked_scatter(valid, values)
+    return torch.cat([values.new_zeros(valid.shape[0], 1), out], dim=1)

@@ -45,10 +45,13 @@ from brace_lightning.models.policy import position_ids_from_attention_mask
 from brace_lightning.rollout.engine import (
     FinishReason,
     GenerationOutput,
+    PromptLimit,
     RolloutEngine,
+    Truncation,
     check_generate_args,
     check_sampling_args,
     check_state_dict,
+    model_context,
 )
 
 
@@ -153,6 +156,10 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_size: decode at most this many samples at once (None = all in one batch).
         device: where the copy lives; None = the device of ``model``'s parameters.
         version: policy version of ``model``'s weights (0 = before the first training step).
+        max_prompt_tokens: longest prompt accepted; None = the model's ``max_position_embeddings``
+            minus ``max_new_tokens`` (see :class:`~brace_lightning.rollout.engine.PromptLimit`).
+        truncation: a longer prompt is refused (``"error"``) or cut to its last
+            ``max_prompt_tokens`` tokens and counted (``"left"``, ``data/truncated_prompts``).
     """
 
     def __init__(
@@ -167,8 +174,13 @@ class EmbeddedEngine(RolloutEngine):
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         version: int = 0,
+        max_prompt_tokens: int | None = None,
+        truncation: Truncation = "error",
     ) -> None:
         check_sampling_args("EmbeddedEngine", temperature, top_p, max_new_tokens)
+        self.prompt_limit = PromptLimit(
+            "EmbeddedEngine", max_prompt_tokens, truncation, model_context(model), max_new_tokens
+        )
         if max_batch_size is not None and max_batch_size < 1:
             raise ValueError(
                 f"EmbeddedEngine got max_batch_size={max_batch_size}; expected None or an integer >= 1."
@@ -243,6 +255,7 @@ class EmbeddedEngine(RolloutEngine):
         afterwards record the new version (interruptible generation), and it may raise to abort.
         """
         check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
+        prompts, truncated = self.prompt_limit.apply(prompts)
         stop_ids = [*self.stop_token_ids, *(int(t) for t in extra_stop_token_ids)]
         expanded = [list(p) for p in prompts for _ in range(num_samples)]
         index = [i for i in range(len(prompts)) for _ in range(num_samples)]
@@ -268,6 +281,7 @@ class EmbeddedEngine(RolloutEngine):
             prompt_index=index,
             finish_reason=finish,
             entropy=entropy,
+            truncated_prompts=truncated * num_samples,
         )
 
     @torch.inference_mode()
@@ -349,6 +363,7 @@ class EmbeddedEngine(RolloutEngine):
         """Draw one token per row from ``logits`` ``[N, V]``; returns ``[N]`` tokens, log µ, entropy."""
         if self.temperature == 0:
             tokens = logits.argmax(dim=-1)
+            self._require_finite(logits.gather(-1, tokens[:, None]))
             zeros = torch.zeros(tokens.shape, dtype=torch.float32, device=self.device)
             return tokens, zeros, zeros
         scaled = logits.float() / self.temperature
@@ -367,6 +382,18 @@ class EmbeddedEngine(RolloutEngine):
         plogp = torch.where(probs > 0, probs * log_probs, torch.zeros_like(probs))
         return tokens, logp, -plogp.sum(dim=-1)
 
+    def _require_finite(self, totals: torch.Tensor) -> None:
+        """Refuse to sample from rows whose ``[N, 1]`` summary (CDF end, top logit) is not finite:
+        inverse-CDF sampling of a NaN row returns the out-of-range index V."""
+        if not bool(torch.isfinite(totals).all()):
+            bad = int((~torch.isfinite(totals)).sum())
+            raise FloatingPointError(
+                f"the embedded engine's next-token distribution is not finite in {bad} of "
+                f"{totals.shape[0]} rows at policy version {self.version}; expected finite "
+                "logits (the weights it samples with have diverged: lower the actor's learning "
+                "rate or set max_grad_norm)."
+            )
+
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         """One index per row of ``probs`` ``[N, V]``, drawn by inverting the row's CDF.
 
@@ -376,6 +403,7 @@ class EmbeddedEngine(RolloutEngine):
         per row is much cheaper than ``torch.multinomial``, which draws an exponential per entry.
         """
         cdf = probs.double().cumsum(dim=-1)
+        self._require_finite(cdf[:, -1:])  # NaN anywhere in a row makes its total NaN
         uniform = torch.rand(
             probs.shape[0], 1, generator=self._generator, dtype=torch.float64, device=self.device
         )

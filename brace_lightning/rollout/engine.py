@@ -21,6 +21,7 @@ from typing import Any, Literal
 import torch
 
 FinishReason = Literal["stop", "length"]
+Truncation = Literal["left", "error"]
 
 
 @dataclass
@@ -42,6 +43,9 @@ class GenerationOutput:
             at environment tokens (tool observations of a multi-turn episode); None means every
             response token is an action (single-turn generation). Engines leave it None; the
             multi-turn loop (``rollout/multiturn.py``) fills it.
+        truncated_prompts: prompts of this call the engine cut to ``max_prompt_tokens``
+            (``truncation="left"``); ``prompt_ids`` hold the cut prompts, which is what the trainer
+            then scores.
     """
 
     prompt_ids: list[list[int]]
@@ -52,6 +56,7 @@ class GenerationOutput:
     finish_reason: list[FinishReason]
     entropy: list[list[float]] | None = None
     action_mask: list[list[bool]] | None = None
+    truncated_prompts: int = 0
 
     def __post_init__(self) -> None:
         n = len(self.response_ids)
@@ -160,6 +165,80 @@ def check_sampling_args(name: str, temperature: float, top_p: float, max_new_tok
         raise ValueError(f"{name} got top_p={top_p}; expected a value in (0, 1].")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"{name} got max_new_tokens={max_new_tokens}; expected an integer >= 1.")
+
+
+class PromptLimit:
+    """``max_prompt_tokens`` and ``truncation`` of an engine: what to do with a prompt that does
+    not fit the model's context.
+
+    Args:
+        name: the engine's class name (in errors).
+        max_prompt_tokens: longest prompt accepted; None means the model's context
+            (``context``, e.g. ``max_position_embeddings``) minus ``max_new_tokens``, so that prompt
+            and response fit; no limit when the context is unknown.
+        truncation: ``"error"`` refuses a longer prompt with one sentence; ``"left"`` keeps its last
+            ``max_prompt_tokens`` tokens (the end of a prompt is what the response follows) and
+            counts it in :attr:`GenerationOutput.truncated_prompts`.
+        context: the model's longest sequence, or None.
+        max_new_tokens: the engine's response budget.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        max_prompt_tokens: int | None,
+        truncation: str,
+        context: int | None,
+        max_new_tokens: int,
+    ) -> None:
+        if truncation not in ("left", "error"):
+            raise ValueError(f"{name} got truncation={truncation!r}; expected 'left' or 'error'.")
+        if max_prompt_tokens is not None and (
+            isinstance(max_prompt_tokens, bool)
+            or not isinstance(max_prompt_tokens, int)
+            or max_prompt_tokens < 1
+        ):
+            raise ValueError(
+                f"{name} got max_prompt_tokens={max_prompt_tokens!r}; expected None or an integer "
+                ">= 1."
+            )
+        if max_prompt_tokens is None and context is not None:
+            max_prompt_tokens = context - max_new_tokens
+            if max_prompt_tokens < 1:
+                raise ValueError(
+                    f"{name} got max_new_tokens={max_new_tokens}; expected fewer than the model's "
+                    f"context of {context} tokens, to leave room for a prompt."
+                )
+        self.name = name
+        self.limit = max_prompt_tokens
+        self.truncation = truncation
+        self.context = context
+
+    def apply(self, prompts: list[list[int]]) -> tuple[list[list[int]], int]:
+        """The prompts as the engine will use them, and how many were truncated.
+
+        Raises:
+            ValueError: with ``truncation="error"``, for the first prompt over the limit.
+        """
+        limit = self.limit
+        if limit is None or all(len(p) <= limit for p in prompts):
+            return prompts, 0
+        if self.truncation == "error":
+            i, prompt = next((i, p) for i, p in enumerate(prompts) if len(p) > limit)
+            context = "" if self.context is None else f" (the model's context is {self.context})"
+            raise ValueError(
+                f"{self.name} got prompt {i} of {len(prompt)} tokens; expected at most "
+                f"max_prompt_tokens={limit}{context}: shorten the prompts, or set "
+                "truncation='left' to keep their last max_prompt_tokens tokens."
+            )
+        cut = sum(len(p) > limit for p in prompts)
+        return [list(p[-limit:]) for p in prompts], cut
+
+
+def model_context(model: Any) -> int | None:
+    """The longest sequence ``model`` takes (its config's ``max_position_embeddings``), or None."""
+    value = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) else None
 
 
 def check_generate_args(

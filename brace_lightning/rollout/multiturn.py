@@ -22,13 +22,15 @@ stopping there, only more tokens are decoded and discarded.
 An episode ends at the engine's own stop (eos: finish ``"stop"``), at a closing marker whose
 ``observe`` returns None (``"stop"``), when the engine's per-call budget runs out (``"length"``), at
 the environment's ``max_response_tokens`` (``"length"``), or at a tool call beyond ``max_turns``
-(``"length"``, unanswered). The rows are then scored and padded exactly like single-turn rollouts
-(``collect.score_and_pad``): the verifier's reward sits on the last action token, verifier errors
-drop the sample and are counted.
+(``"length"``, unanswered). An ``observe`` that raises does not end anything: the call is answered
+with the environment's error observation and counted in ``info["tool_errors"]``. The rows are then
+scored and padded exactly like single-turn rollouts (``collect.score_and_pad``): the verifier's
+reward sits on the last action token, verifier errors drop the sample and are counted.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -52,6 +54,8 @@ from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class _Episode:
@@ -66,6 +70,7 @@ class _Episode:
     actions: list[bool] = field(default_factory=list)
     turn_start: int = 0  # first token of the policy's current turn (after the last observation)
     turns: int = 0  # observations appended
+    tool_errors: int = 0  # observe() calls that raised (answered with env.error_observation)
     finish: FinishReason | None = None  # None while active
 
     def add(
@@ -147,7 +152,9 @@ def collect_episodes(
     Returns:
         A :class:`RolloutBatch` in the layout of ``collect_rollouts`` (``mask`` False at
         observation tokens); ``info`` has ``collect_rollouts``'s keys (lengths count observation
-        tokens too) plus ``mean_tool_calls`` and ``mean_observation_tokens`` over the kept rows.
+        tokens too) plus ``mean_tool_calls`` and ``mean_observation_tokens`` over the kept rows and
+        ``tool_errors``, the calls of all episodes whose ``env.observe`` raised (each answered with
+        ``env.error_observation`` instead, so the episode goes on).
     """
     if num_samples < 1:
         raise ValueError(
@@ -169,6 +176,13 @@ def collect_episodes(
     entropy_known = True
     while active := [e for e in episodes if e.finish is None]:
         out = engine.generate([e.prompt_ids + e.tokens for e in active], num_samples=1, **kwargs)
+        if out.truncated_prompts:
+            raise ValueError(
+                f"collect_episodes: the engine cut {out.truncated_prompts} episode contexts (prompt "
+                "+ transcript) to its max_prompt_tokens; expected contexts that fit, because the "
+                "trainer scores whole transcripts: lower the environment's max_response_tokens or "
+                "shorten the prompts."
+            )
         if len(out) != len(active):
             raise ValueError(
                 f"collect_episodes got {len(out)} samples from the engine; expected {len(active)} "
@@ -221,6 +235,7 @@ def collect_episodes(
     batch.info.update(
         mean_tool_calls=float(starts.sum()) / rows,
         mean_observation_tokens=float(observed.sum()) / rows,
+        tool_errors=float(sum(e.tool_errors for e in episodes)),
     )
     return batch
 
@@ -233,7 +248,12 @@ def _answer_call(
     if episode.turns >= env.max_turns:
         episode.finish = "length"  # a call beyond max_turns stays unanswered
         return
-    observation = env.observe(prompt, transcript)
+    try:
+        observation = env.observe(prompt, transcript)
+    except Exception as error:  # a policy-written call must not end the batch
+        logger.warning("Tool error in %s.observe: %r", type(env).__name__, error)
+        episode.tool_errors += 1
+        observation = env.error_observation(f"the tool failed ({type(error).__name__})")
     if observation is None:
         episode.finish = "stop"
         return

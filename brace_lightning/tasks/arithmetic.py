@@ -23,6 +23,7 @@ from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _INTEGER = re.compile(r"-?\d+")
+_MAX_ANSWER_CHARS = 1000
 
 
 def solve(operands: Sequence[int], ops: Sequence[str]) -> tuple[str, str, int]:
@@ -59,12 +60,13 @@ def parse_final_answer(completion: str) -> int | None:
     """The integer after the last ``#`` of ``completion``, or None when it is missing or malformed.
 
     Surrounding whitespace is ignored; anything else after the ``#`` (a second number, trailing
-    text) makes the answer malformed.
+    text) or more than 1000 characters makes the answer malformed.
     """
     if "#" not in completion:
         return None
     tail = completion.rsplit("#", 1)[1].strip()
-    return int(tail) if _INTEGER.fullmatch(tail) else None
+    # Longer digit strings are no answer to these tasks, and int() of them is slow or refused.
+    return int(tail) if len(tail) <= _MAX_ANSWER_CHARS and _INTEGER.fullmatch(tail) else None
 
 
 class ArithmeticTask(PromptSource):

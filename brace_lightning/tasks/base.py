@@ -27,9 +27,12 @@ class Prompt:
     """One task instance.
 
     Args:
-        text: what the policy is conditioned on (tokenized as is, no chat template).
+        text: what the policy is conditioned on: tokenized as is, or as the user turn of the
+            tokenizer's chat template when it has one (see ``rollout.collect.encode_prompt``).
         answer: the reference final answer the verifier checks against.
-        metadata: anything else the task wants to keep (operands, the reference solution, ...).
+        metadata: anything else the task wants to keep (operands, the reference solution, ...);
+            ``"system"`` is the chat's system message and ``"chat_template"`` (True/False)
+            forces the template on or off.
     """
 
     text: str

@@ -10,8 +10,9 @@ The policy calls the calculator with ``<calc>EXPRESSION</calc>``; the environmen
 Every character is in the character tokenizer's vocabulary, so the tiny CPU models can use it.
 Expressions are evaluated exactly (:class:`fractions.Fraction`) by walking a whitelisted Python AST:
 numbers, ``+ - * /``, parentheses and unary signs; nothing is ever passed to ``eval``. A bad call
-(syntax, a name, ``**``, division by zero, more than :data:`MAX_EXPRESSION_CHARS` characters) gets
-an error observation, not an exception.
+(syntax, a name, ``**``, division by zero, more than :data:`MAX_EXPRESSION_CHARS` characters, a
+value with more than :data:`MAX_DIGITS` digits) gets an error observation, not an exception, and
+the work per call is bounded by those two limits.
 
 The verifier reads the final answer as :class:`~brace_lightning.tasks.gsm8k.GSM8KReward` does
 (:func:`~brace_lightning.tasks.gsm8k.extract_final_answer`, compared with ``answers_match``) from the
@@ -31,8 +32,12 @@ from brace_lightning.tasks.base import Prompt
 from brace_lightning.tasks.env import ToolEnvironment, last_call, strip_blocks
 from brace_lightning.tasks.gsm8k import answers_match, extract_final_answer
 
-#: Longest expression the calculator evaluates (bounds the size of the exact result).
+#: Longest expression the calculator evaluates.
 MAX_EXPRESSION_CHARS = 200
+#: Most decimal digits of any exact intermediate value (numerator or denominator); beyond it the
+#: call gets ``error: number out of range``. ``1e308`` alone has 309, so a few such factors reach it.
+MAX_DIGITS = 1000
+_MAX_BITS = math.ceil(MAX_DIGITS * math.log2(10))
 
 _BINARY = {
     ast.Add: lambda a, b: a + b,
@@ -47,6 +52,12 @@ class CalculatorError(ValueError):
     """An expression the calculator refuses; the message is shown to the policy."""
 
 
+def _bounded(value: Fraction) -> Fraction:
+    if max(abs(value.numerator).bit_length(), value.denominator.bit_length()) > _MAX_BITS:
+        raise CalculatorError("number out of range")
+    return value
+
+
 def _evaluate(node: ast.AST) -> Fraction:
     if isinstance(node, ast.Expression):
         return _evaluate(node.body)
@@ -55,12 +66,13 @@ def _evaluate(node: ast.AST) -> Fraction:
             raise CalculatorError(f"unsupported constant {node.value!r}")
         if isinstance(node.value, float) and not math.isfinite(node.value):
             raise CalculatorError("number out of range")
-        return Fraction(repr(node.value)) if isinstance(node.value, float) else Fraction(node.value)
+        value = node.value
+        return _bounded(Fraction(repr(value)) if isinstance(value, float) else Fraction(value))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Div) and right == 0:
             raise CalculatorError("division by zero")
-        return _BINARY[type(node.op)](left, right)
+        return _bounded(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
         return _UNARY[type(node.op)](_evaluate(node.operand))
     if isinstance(node, ast.BinOp | ast.UnaryOp):
@@ -88,7 +100,8 @@ def safe_eval(expression: str) -> Fraction:
 
     Raises:
         CalculatorError: for anything else (names, calls, ``**``, ``%``, comparisons...), bad
-            syntax, division by zero, or more than :data:`MAX_EXPRESSION_CHARS` characters.
+            syntax, division by zero, more than :data:`MAX_EXPRESSION_CHARS` characters, or a value
+            (any intermediate one too) with more than :data:`MAX_DIGITS` digits.
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
@@ -138,6 +151,9 @@ class CalculatorEnv(ToolEnvironment):
         except CalculatorError as error:
             return f"<result>error: {error}</result>"
         return f"<result>{value}</result>"
+
+    def error_observation(self, message: str) -> str:
+        return f"<result>error: {message}</result>"
 
     def final_answer(self, transcript: str) -> str | None:
         """The policy's final answer: the transcript without calculator calls and results, read by

@@ -67,6 +67,12 @@ class ToolEnvironment(RewardFunction):
             exception), or None when the closing marker ends the episode (a final answer).
         """
 
+    def error_observation(self, message: str) -> str:
+        """The observation shown when :meth:`observe` itself fails (the rollout loop catches the
+        exception, counts it in ``tool_errors`` and appends this instead); subclasses wrap it in
+        their tool's result markers."""
+        return f"error: {message}"
+
 
 def strip_blocks(text: str, tags: Sequence[str]) -> str:
     """``text`` without its ``<tag>...</tag>`` blocks (unclosed ones run to the end), for each tag.

@@ -249,11 +249,24 @@ class RetrievalEnv(ToolEnvironment):
             + ("</info>")
         )
 
+    def error_observation(self, message: str) -> str:
+        return f"<info>error: {message}</info>"
+
     @staticmethod
     def final_answer(transcript: str) -> str | None:
-        """The text of the last ``<answer>...</answer>`` outside ``<info>`` blocks, or None."""
-        answers = re.findall(r"<answer>(.*?)</answer>", strip_blocks(transcript, ("info",)), re.S)
-        return answers[-1] if answers else None
+        """The text of the last ``<answer>...</answer>`` outside ``<info>`` blocks, or None.
+
+        Each ``<answer>`` is paired with the first ``</answer>`` after it, left to right (what
+        ``re.findall(r"<answer>(.*?)</answer>")`` gives), by a single forward scan: linear time even
+        for many unclosed tags, where the regex is quadratic."""
+        text = strip_blocks(transcript, ("info",))
+        found, position = None, 0
+        while (start := text.find("<answer>", position)) >= 0:
+            end = text.find("</answer>", start + len("<answer>"))
+            if end < 0:
+                break
+            found, position = text[start + len("<answer>") : end], end + len("</answer>")
+        return found
 
     def __call__(self, prompt: Prompt, completion: str) -> float:
         return 1.0 if self.is_correct(prompt, completion) else 0.0

@@ -1,0 +1,231 @@
+"""From a run to a model you can use: Hugging Face folders from a checkpoint or at the end of ``fit``.
+
+``brace-lightning export --ckpt_path CKPT --out DIR`` writes
+
+- ``DIR/actor``: the policy as a causal LM with its tokenizer (``AutoModelForCausalLM`` /
+  ``AutoTokenizer.from_pretrained(DIR/actor)``, servable by vLLM);
+- ``DIR/critic``: the critic's backbone (``AutoModel``) plus ``value_head.safetensors``; load it
+  with :func:`load_exported_critic`.
+
+``CKPT`` is a single-process checkpoint file (``*.ckpt``) or the folder of a sharded FSDP2
+checkpoint (``ModelParallelStrategy``); a sharded one is read in one process with
+``torch.distributed.checkpoint`` into the model's own tensors (the optimizer states are not read).
+The model is rebuilt from the run's saved hyperparameters (``actor`` and the tiny model's sizes),
+so a hub actor must be reachable (or in the local cache) to build its skeleton.
+
+:class:`ExportOnFitEnd` does the same at the end of ``fit`` from the live module (gathering
+sharded weights on every rank, writing on rank 0)::
+
+    trainer:
+      callbacks:
+        - class_path: brace_lightning.export.ExportOnFitEnd
+          init_args: {out: exported}
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import AutoConfig, AutoModel, PreTrainedModel, PreTrainedTokenizerBase
+
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.parallelize import full_state_dict
+from brace_lightning.models.policy import load_causal_lm
+from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+META_FILE = "meta.pt"  # Lightning's metadata file inside a sharded checkpoint folder
+
+
+def _unwrap_hparams(hparams: Any) -> dict[str, Any]:
+    return dict(hparams) if hparams is not None else {}
+
+
+def read_hparams(ckpt_path: str | Path) -> dict[str, Any]:
+    """The module's saved hyperparameters of a checkpoint file or sharded checkpoint folder."""
+    path = Path(ckpt_path)
+    if path.is_dir():
+        meta = path / META_FILE
+        if not meta.is_file():
+            raise ValueError(
+                f"ckpt_path={str(path)!r} is a folder without {META_FILE}; expected a sharded "
+                "checkpoint folder written by ModelParallelStrategy."
+            )
+        checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
+    elif path.is_file():
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    else:
+        raise ValueError(
+            f"ckpt_path={str(path)!r} does not exist; expected a .ckpt file or a sharded checkpoint "
+            "folder."
+        )
+    if "hyper_parameters" not in checkpoint:
+        raise ValueError(
+            f"ckpt_path={str(path)!r} has no hyper_parameters; expected a brace_lightning checkpoint."
+        )
+    return _unwrap_hparams(checkpoint["hyper_parameters"])
+
+
+def build_skeleton(
+    hparams: dict[str, Any],
+) -> tuple[PreTrainedModel, ValueModel, PreTrainedTokenizerBase]:
+    """Actor, critic and tokenizer with the run's architecture (random weights, to be filled)."""
+    source = hparams.get("actor", TINY)
+    tokenizer = load_tokenizer(source)
+    if source == TINY:
+        actor = load_actor(
+            source,
+            tokenizer=tokenizer,
+            hidden_size=int(hparams.get("tiny_hidden_size", 128)),
+            num_layers=int(hparams.get("tiny_num_layers", 2)),
+        )
+    else:
+        actor = load_causal_lm(AutoConfig.from_pretrained(source), seed=0)  # no weights read
+    critic = ValueModel.from_config(actor.config, seed=0)
+    return actor, critic, tokenizer
+
+
+def _load_model_state(ckpt_path: Path, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Fill ``target`` (``{"actor.…": tensor, "critic.…": tensor}``) from the checkpoint."""
+    if ckpt_path.is_dir():
+        from torch.distributed.checkpoint import load as dcp_load
+
+        wrapped = {"state_dict": target}
+        with warnings.catch_warnings():
+            # no_dist=True is the intent: one process reads every rank's shards.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp_load(wrapped, checkpoint_id=ckpt_path, no_dist=True)
+        return wrapped["state_dict"]
+    state = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+    missing = [key for key in target if key not in state]
+    if missing:
+        raise ValueError(
+            f"ckpt_path={str(ckpt_path)!r} lacks {len(missing)} weights of the rebuilt model "
+            f"(e.g. {missing[0]!r}); expected a checkpoint of the same architecture."
+        )
+    return {key: state[key] for key in target}
+
+
+def _split(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+
+
+def save_hf_folders(
+    actor: nn.Module,
+    critic: ValueModel,
+    tokenizer: PreTrainedTokenizerBase,
+    out: str | Path,
+    *,
+    actor_state: dict[str, torch.Tensor] | None = None,
+    critic_state: dict[str, torch.Tensor] | None = None,
+) -> Path:
+    """Write ``out/actor`` (model + tokenizer) and ``out/critic`` (backbone + value head).
+
+    ``actor_state``/``critic_state`` (full tensors) replace the modules' own state when given (for
+    sharded modules, whose ``state_dict`` holds shards).
+    """
+    out = Path(out)
+    if not isinstance(actor, PreTrainedModel):
+        raise ValueError(
+            f"export needs a transformers PreTrainedModel actor; got {type(actor).__name__}."
+        )
+    actor_dir, critic_dir = out / "actor", out / "critic"
+    actor.save_pretrained(actor_dir, state_dict=actor_state, safe_serialization=True)
+    tokenizer.save_pretrained(actor_dir)
+    critic_state = critic.state_dict() if critic_state is None else critic_state
+    backbone = {
+        k[len("backbone.") :]: v for k, v in critic_state.items() if k.startswith("backbone.")
+    }
+    head = {
+        k[len("value_head.") :]: v.contiguous()
+        for k, v in critic_state.items()
+        if k.startswith("value_head.")
+    }
+    critic.backbone.save_pretrained(critic_dir, state_dict=backbone, safe_serialization=True)
+    save_file(head, str(critic_dir / VALUE_HEAD_FILE))
+    tokenizer.save_pretrained(critic_dir)
+    (critic_dir / "brace_lightning.json").write_text(
+        json.dumps({"kind": "ValueModel", "value_head": VALUE_HEAD_FILE}, indent=2) + "\n"
+    )
+    return out
+
+
+def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> Path:
+    """Export a checkpoint (file or sharded folder) to Hugging Face folders; returns ``out``."""
+    path = Path(ckpt_path)
+    hparams = read_hparams(path)
+    actor, critic, tokenizer = build_skeleton(hparams)
+    target = {f"actor.{k}": v for k, v in actor.state_dict().items()}
+    target |= {f"critic.{k}": v for k, v in critic.state_dict().items()}
+    state = _load_model_state(path, target)
+    actor.load_state_dict(_split(state, "actor."))
+    critic.load_state_dict(_split(state, "critic."))
+    return save_hf_folders(actor, critic, tokenizer, out)
+
+
+def load_exported_critic(folder: str | Path, **kwargs: Any) -> ValueModel:
+    """The critic of ``export``'s ``DIR/critic`` folder (``kwargs`` go to ``AutoModel``)."""
+    folder = Path(folder)
+    if not (folder / VALUE_HEAD_FILE).is_file():
+        raise ValueError(
+            f"folder={str(folder)!r} has no {VALUE_HEAD_FILE}; expected the critic folder that "
+            "`brace-lightning export` writes."
+        )
+    critic = ValueModel(AutoModel.from_pretrained(folder, **kwargs))
+    critic.value_head.load_state_dict(load_file(str(folder / VALUE_HEAD_FILE)))
+    return critic
+
+
+class ExportOnFitEnd(pl.Callback):
+    """Export the trained actor and critic as Hugging Face folders when ``fit`` ends.
+
+    Args:
+        out: the output folder (``out/actor``, ``out/critic``); relative paths are taken from the
+            working directory.
+    """
+
+    def __init__(self, out: str = "exported") -> None:
+        if not out:
+            raise ValueError(f"ExportOnFitEnd got out={out!r}; expected a folder path.")
+        self.out = out
+
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        actor, critic = pl_module.actor, pl_module.critic  # type: ignore[attr-defined]
+        actor_state, critic_state = full_state_dict(actor), full_state_dict(critic)  # collectives
+        if trainer.is_global_zero:
+            save_hf_folders(
+                actor,
+                critic,
+                pl_module.tokenizer,  # type: ignore[attr-defined]
+                self.out,
+                actor_state=actor_state,
+                critic_state=critic_state,
+            )
+        trainer.strategy.barrier("export")
+
+
+def main(args: list[str] | None = None) -> None:
+    """``brace-lightning export --ckpt_path CKPT --out DIR``."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(
+        prog="brace-lightning export",
+        description="Write a checkpoint's actor (with tokenizer) and critic as Hugging Face folders.",
+    )
+    parser.add_argument(
+        "--ckpt_path", type=str, required=True, help="a .ckpt file or sharded folder"
+    )
+    parser.add_argument("--out", type=str, required=True, help="output folder (actor/, critic/)")
+    config = parser.parse_args(args)
+    try:
+        out = export_checkpoint(config.ckpt_path, config.out)
+    except ValueError as error:
+        parser.error(str(error))
+    print(f"exported {config.ckpt_path} to {out}/actor and {out}/critic")

@@ -1,0 +1,213 @@
+"""Your own prompts and reward: JSONLPrompts/HFPrompts field mapping, chat-template encoding, and a
+run from a working directory that holds a prompt file and a reward module."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from brace_lightning.models.tokenizer import build_char_tokenizer
+from brace_lightning.models.warmstart import _encode_pairs
+from brace_lightning.rollout.collect import encode_prompt, encode_prompts
+from brace_lightning.tasks import HFPrompts, JSONLPrompts, Prompt
+
+REPO = Path(__file__).resolve().parents[1]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def write_jsonl(path: Path, records: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records) + "\n")
+    return path
+
+
+def test_jsonl_prompts_map_fields_and_keep_the_rest(tmp_path: Path) -> None:
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [{"q": "1+2=", "label": 3, "id": 7}, {"q": "4+4=", "label": "8", "id": 8}],
+    )
+    source = JSONLPrompts(
+        str(path), prompt_field="q", answer_field="label", template="Q: {prompt}", limit=1
+    )
+    assert len(source) == 1
+    prompt = source[0]
+    assert prompt.text == "Q: 1+2="
+    assert prompt.answer == "3"
+    assert prompt.metadata["id"] == 7 and prompt.metadata["label"] == 3
+    assert "q" not in prompt.metadata
+    assert prompt.metadata["source"].endswith("p.jsonl:1")
+
+
+def test_jsonl_prompts_errors_name_the_line_and_the_field(tmp_path: Path) -> None:
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "a", "answer": "b"}\n{not json\n')
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: invalid JSON"):
+        JSONLPrompts(str(bad_json))
+    path = write_jsonl(tmp_path / "p.jsonl", [{"question": "a", "answer": "b"}])
+    with pytest.raises(ValueError, match=r"p.jsonl:1: prompt_field='prompt' is not a field"):
+        JSONLPrompts(str(path))
+    with pytest.raises(ValueError, match="no '{prompt}' field"):
+        JSONLPrompts(str(path), prompt_field="question", template="Q:")
+    with pytest.raises(ValueError, match="expected an existing JSONL file"):
+        JSONLPrompts(str(tmp_path / "missing.jsonl"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="holds no records"):
+        JSONLPrompts(str(empty))
+
+
+def test_hf_prompts_map_a_dataset(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `datasets` is an optional extra; a stand-in module isolates the mapping from the download.
+    calls = []
+
+    def load_dataset(name: str, config: str | None, split: str) -> list[dict]:
+        calls.append((name, config, split))
+        return [{"problem": "2*3=", "solution": "6"}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    source = HFPrompts(
+        "me/data", split="test", prompt_field="problem", answer_field="solution", system_prompt="S"
+    )
+    assert calls == [("me/data", None, "test")]
+    assert (source[0].text, source[0].answer, source[0].metadata["system"]) == ("2*3=", "6", "S")
+
+
+def test_hf_prompts_without_datasets_say_how_to_install(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "datasets", None)
+    with pytest.raises(ImportError, match=r"pip install -e '\.\[datasets\]'"):
+        HFPrompts("me/data")
+
+
+def test_plain_tokenizer_encodes_text_as_is_with_the_system_prompt_first() -> None:
+    tokenizer = build_char_tokenizer()
+    assert not tokenizer.chat_template
+    plain = Prompt("1+2=", "3")
+    assert encode_prompt(tokenizer, plain) == tokenizer("1+2=")["input_ids"]
+    with_system = Prompt("1+2=", "3", {"system": "Add."})
+    assert tokenizer.decode(encode_prompt(tokenizer, with_system)) == "Add.\n\n1+2="
+    with pytest.raises(ValueError, match="the tokenizer has no chat template"):
+        encode_prompt(tokenizer, Prompt("x", "y", {"chat_template": True}))
+
+
+def test_chat_template_renders_system_and_user_turns_by_default() -> None:
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    prompt = Prompt("1+2=", "3", {"system": "Add."})
+    ids = encode_prompt(tokenizer, prompt)
+    assert tokenizer.decode(ids) == "<system>Add.\n<user>1+2=\n<assistant>"
+    off = Prompt("1+2=", "3", {"chat_template": False})
+    assert encode_prompts(tokenizer, [off]) == [tokenizer("1+2=")["input_ids"]]
+
+
+def test_warm_start_encodes_prompts_with_the_chat_template_like_the_rollouts() -> None:
+    # The warm start teaches the answer format in the context the engine will sample it in.
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    [(ids, labels)] = _encode_pairs(tokenizer, [("1+2=", "3")])
+    rollout_ids = encode_prompts(tokenizer, [Prompt("1+2=", "3")])[0]
+    assert tokenizer.decode(rollout_ids) == "<user>1+2=\n<assistant>"
+    completion = tokenizer("3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert ids == rollout_ids + completion
+    assert labels == [-100] * len(rollout_ids) + completion
+
+
+REWARD_MODULE = """
+from brace_lightning.tasks import RewardFunction
+
+
+class FirstLine(RewardFunction):
+    def __call__(self, prompt, completion):
+        return float(completion.strip().split("\\n")[0] == prompt.answer)
+"""
+
+
+@pytest.mark.slow
+def test_console_script_runs_your_prompts_and_reward_from_the_working_directory(
+    tmp_path: Path,
+) -> None:
+    write_jsonl(
+        tmp_path / "mine.jsonl",
+        [{"question": f"{a}+{b}=", "label": str(a + b)} for a in range(3) for b in range(3)],
+    )
+    (tmp_path / "myreward.py").write_text(REWARD_MODULE)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)  # the package under test, not the working directory
+    command = [
+        str(Path(sys.executable).with_name("brace-lightning")),
+        "fit",
+        "--config",
+        str(REPO / "configs/quickstart.yaml"),
+        "--config",
+        str(REPO / "configs/tasks/my_prompts.yaml"),
+        "--data.task.init_args.path=mine.jsonl",
+        "--data.reward=myreward.FirstLine",
+        "--data.prompts_per_step=2",
+        "--data.samples_per_prompt=2",
+        "--data.engine.init_args.max_new_tokens=4",
+        "--trainer.limit_train_batches=2",
+        "--trainer.enable_checkpointing=false",
+        "--trainer.logger.init_args.save_dir=runs",
+    ]
+    result = subprocess.run(
+        command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "max_epochs=1` reached" in result.stderr + result.stdout
+    assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+
+
+def readme_command(*needles: str) -> str:
+    """The one command line in README.md's code blocks that contains every needle."""
+    text = (REPO / "README.md").read_text()
+    blocks = text.split("```")[1::2]
+    lines = [line.strip() for block in blocks for line in block.splitlines()]
+    found = [line for line in lines if all(needle in line for needle in needles)]
+    assert len(found) == 1, f"README.md has {len(found)} command lines with {needles}"
+    return found[0]
+
+
+@pytest.mark.slow
+def test_readme_takes_your_prompts_and_reward_to_an_exported_hf_folder(tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from brace_lightning.export import load_exported_critic
+
+    fit = readme_command("fit", "configs/tasks/my_prompts.yaml")
+    export = readme_command("export --ckpt_path")
+    # The README's commands run from the repository root; here a working directory with the same
+    # relative paths, so that the checkpoint and the export land in tmp_path.
+    for name in ("configs", "examples"):
+        (tmp_path / name).symlink_to(REPO / name)
+    (tmp_path / ".venv").symlink_to(Path(sys.executable).parents[1])
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    brief = (
+        " --trainer.limit_train_batches=2 --trainer.logger.init_args.save_dir=runs"
+        " --data.prompts_per_step=2 --data.samples_per_prompt=2"
+        " --data.engine.init_args.max_new_tokens=4"
+    )
+    for command in (fit + brief, export):
+        done = subprocess.run(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    out = tmp_path / "exported" / "my_prompts"
+    tokenizer = AutoTokenizer.from_pretrained(out / "actor")
+    actor = AutoModelForCausalLM.from_pretrained(out / "actor")
+    critic = load_exported_critic(out / "critic")
+    ids = torch.tensor([tokenizer("7+1=")["input_ids"]])
+    assert actor(ids).logits.shape[:2] == ids.shape
+    assert critic(ids, torch.ones_like(ids)).shape == ids.shape
