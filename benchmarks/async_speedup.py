@@ -53,7 +53,7 @@ from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 
 
 class MemoryLogger(Logger):
-    """Keeps every ``log_metrics`` call (the module logs its scalars through loggers directly)."""
+    """Keeps every ``log_metrics`` call (one per rollout step with ``log_every_n_steps=1``)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,6 +118,7 @@ def run_once(config: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
         max_epochs=1,
         limit_train_batches=args.steps,
         logger=logger,
+        log_every_n_steps=1,  # the module logs through self.log_dict, once per rollout step
         callbacks=[clock],
         enable_checkpointing=False,
         enable_progress_bar=False,

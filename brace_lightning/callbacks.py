@@ -2,7 +2,10 @@
 
 :class:`SupervisedWarmStart` fine-tunes the actor on the task's reference solutions before the first
 rollout, so a tiny randomly initialised model starts RL with a non-zero reward (the quickstart
-recipe). It runs once: a resumed run skips it (its state is in the checkpoint).
+recipe). It runs once, in ``setup`` before the strategy shards or wraps the model (so it works the
+same under DDP and FSDP2: every rank trains its own full copy, then rank 0's weights are broadcast);
+a resumed run skips it (its state is in the checkpoint), and a task without supervised pairs (a
+custom prompt source) skips it with one logged sentence.
 """
 
 from __future__ import annotations
@@ -10,16 +13,22 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
 
 from brace_lightning.checks import require_int
-from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.warmstart import supervised_warm_start
+from brace_lightning.models.warmstart import (
+    broadcast_from_rank_zero,
+    copy_backbone_to_critic,
+    supervised_warm_start,
+)
 
 
 class SupervisedWarmStart(pl.Callback):
     """Supervised fine-tuning of the actor on ``(prompt, reference solution)`` pairs at fit start.
 
-    The pairs come from ``trainer.datamodule.task.supervised_pairs(num_pairs)``.
+    The pairs come from ``trainer.datamodule.task.supervised_pairs(num_pairs)``; a task without
+    that method skips the warm start (one info line). Under FSDP2 the actor is trained unsharded
+    on every rank before sharding, so it must fit on one device with its AdamW state.
 
     Args:
         num_pairs: number of pairs drawn from the task.
@@ -53,16 +62,24 @@ class SupervisedWarmStart(pl.Callback):
         self.done = False
         self.final_loss: float | None = None
 
-    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.done:
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        # Runs before configure_model and before the strategy wraps the module (DDP, FSDP2): the
+        # warm start trains the plain actor, never a sharded one or one behind DDP's reducer.
+        if stage != "fit" or self.done:
             return
+        if trainer.ckpt_path is not None:
+            return  # resuming: the warm-started weights and this callback's state are restored
         task = getattr(trainer.datamodule, "task", None)
         if task is None or not hasattr(task, "supervised_pairs"):
-            raise ValueError(
-                "SupervisedWarmStart needs trainer.datamodule.task with supervised_pairs(n); "
-                f"got {type(task).__name__}."
+            rank_zero_info(
+                f"Warm start skipped: the task ({type(task).__name__}) has no supervised_pairs(n)."
             )
+            self.done = True
+            return
         pairs = task.supervised_pairs(self.num_pairs, seed=self.seed)
+        device = trainer.strategy.root_device
+        pl_module.actor.to(device)
+        pl_module.critic.to(device)
         losses = supervised_warm_start(
             pl_module.actor,
             pl_module.tokenizer,
@@ -71,11 +88,12 @@ class SupervisedWarmStart(pl.Callback):
             batch_size=self.batch_size,
             lr=self.lr,
             seed=self.seed,
+            progress=trainer.is_global_zero and trainer.progress_bar_callback is not None,
         )
         self.final_loss = losses[-1]
         if self.copy_to_critic:
-            fresh = ValueModel.from_actor(pl_module.actor, seed=self.seed + 1)
-            pl_module.critic.load_state_dict(fresh.state_dict())
+            copy_backbone_to_critic(pl_module.actor, pl_module.critic, seed=self.seed + 1)
+        broadcast_from_rank_zero(pl_module.actor, pl_module.critic)
         self.done = True
         if trainer.logger is not None:
             trainer.logger.log_metrics({"warm_start/final_loss": self.final_loss}, step=0)

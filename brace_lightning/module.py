@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
+from brace_lightning.hparams import from_config, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
@@ -51,11 +52,17 @@ from brace_lightning.models.microbatch import (
     score_rows,
     widen,
 )
-from brace_lightning.models.parallelize import full_state_dict, is_sharded, parallelize
+from brace_lightning.models.parallelize import (
+    full_state_dict,
+    is_sharded,
+    mixed_precision_dtypes,
+    parallelize,
+)
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.step_metrics import DUPLICATE_INFO, log_step_metrics
 from brace_lightning.targets import BRACE, ValueTarget
 
 MIN_LOG_RATIO = -20.0
@@ -112,6 +119,11 @@ class BraceModule(pl.LightningModule):
         seed: seed of the tiny model's initialisation and of the minibatch shuffling.
         activation_checkpointing: under ``ModelParallelStrategy`` (FSDP2), recompute each
             transformer block's activations in the backward pass (less memory, one more forward).
+        fsdp_mixed_precision: under FSDP2, ``"auto"`` (bf16 parameters, fp32 gradient reduction on
+            GPU; fp32 on CPU), ``"bf16"`` or ``"fp32"``. The value head, the log-probs and the
+            values stay fp32 (``docs/fsdp.md``).
+        fsdp_cpu_offload: under FSDP2, keep parameter shards, gradients and optimizer states in
+            host memory (``CPUOffloadPolicy``; slower steps, see ``docs/fsdp.md``).
     """
 
     def __init__(
@@ -137,6 +149,8 @@ class BraceModule(pl.LightningModule):
         tiny_num_layers: int = 2,
         seed: int = 0,
         activation_checkpointing: bool = False,
+        fsdp_mixed_precision: str = "auto",
+        fsdp_cpu_offload: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -153,18 +167,18 @@ class BraceModule(pl.LightningModule):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
-        if not isinstance(value_target, ValueTarget):
-            raise ValueError(
-                f"value_target must be a brace_lightning.targets.ValueTarget; got {value_target!r}."
-            )
-        if not isinstance(actor_objective, ActorObjective):
-            raise ValueError(
-                "actor_objective must be a brace_lightning.objectives.ActorObjective; got "
-                f"{actor_objective!r}."
-            )
-        self.save_hyperparameters(
-            ignore=["value_target", "actor_objective", "critic_loss"], logger=False
-        )
+        # load_from_checkpoint passes the saved class_path configs (brace_lightning/hparams.py).
+        value_target = from_config(value_target, ValueTarget, "value_target")
+        actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
+        critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
+        self.save_hyperparameters()
+        objects = {
+            name: to_config(self.hparams[name])
+            for name in ("value_target", "actor_objective", "critic_loss")
+            if not isinstance(self.hparams[name], dict)  # built in Python, not by LightningCLI
+        }
+        if objects:
+            self.save_hyperparameters(objects)  # saved as the configs LightningCLI writes
         self.automatic_optimization = False
         self.value_target = value_target
         self.actor_objective = actor_objective
@@ -181,6 +195,9 @@ class BraceModule(pl.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
         self.activation_checkpointing = activation_checkpointing
+        mixed_precision_dtypes(fsdp_mixed_precision, "cpu")  # validates the setting
+        self.fsdp_mixed_precision = fsdp_mixed_precision
+        self.fsdp_cpu_offload = fsdp_cpu_offload
 
         self.tokenizer = load_tokenizer(actor)
         self.actor = load_actor(
@@ -232,9 +249,17 @@ class BraceModule(pl.LightningModule):
                 "actor_objective.ewma_decay is not supported with ModelParallelStrategy (FSDP2): "
                 "the EWMA actor is a full copy of the actor; use strategy 'ddp' or ewma_decay=None."
             )
+        param_dtype, reduce_dtype = mixed_precision_dtypes(
+            self.fsdp_mixed_precision, self.device_mesh.device_type
+        )
         for model in (self.actor, self.critic):
             parallelize(
-                model, self.device_mesh, activation_checkpointing=self.activation_checkpointing
+                model,
+                self.device_mesh,
+                activation_checkpointing=self.activation_checkpointing,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                cpu_offload=self.fsdp_cpu_offload,
             )
 
     # ------------------------------------------------------------------ optimizers
@@ -323,23 +348,14 @@ class BraceModule(pl.LightningModule):
         realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
         self.val_value_gap.update(values, realized, batch.mask)
         size = len(batch)
-        # logger=False: on_validation_end writes them at the rollout step, the x-axis of training.
-        log = {"batch_size": size, "logger": False}
+        # The logged "step" sets the logger's x-axis: the rollout step, as in training.
+        log = {"batch_size": size}
+        self.log("step", float(self.rollout_step), reduce_fx="max", **log)
         self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
         self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
         if batch.correct is not None:
             self.log("val/accuracy", batch.correct.float().mean(), **log)
         self.log("val/value_gap_mc", self.val_value_gap, **log)
-
-    def on_validation_end(self) -> None:
-        values = {
-            name: float(value)
-            for name, value in self.trainer.callback_metrics.items()
-            if name.startswith("val/")
-        }
-        if values and not self.trainer.sanity_checking:
-            for logger in self.loggers:
-                logger.log_metrics(values, step=self.rollout_step)
 
     def _update(
         self,
@@ -571,7 +587,7 @@ class BraceModule(pl.LightningModule):
             else:
                 metrics[name] = per_update.mean()
         for name, value in batch.info.items():
-            if isinstance(value, int | float) and name not in ("temperature",):
+            if isinstance(value, int | float) and name not in ("temperature", *DUPLICATE_INFO):
                 metrics[f"data/{name}"] = float(value)
         # x-axis = rollout step (one rollout batch), not Lightning's global_step, which counts
         # every optimizer step of both optimizers and so moves unevenly across critic warm-up.
@@ -580,19 +596,7 @@ class BraceModule(pl.LightningModule):
             per_rank: list[Any] = [None] * self.trainer.world_size
             torch.distributed.all_gather_object(per_rank, values)
             values = combine_rank_metrics(per_rank)
-        for logger in self.loggers:
-            logger.log_metrics(values, step=self.rollout_step)
-        self.log(
-            "reward", values["rollout/reward"], prog_bar=True, logger=False, batch_size=len(batch)
-        )
-        if "rollout/accuracy" in values:
-            self.log(
-                "acc",
-                values["rollout/accuracy"],
-                prog_bar=True,
-                logger=False,
-                batch_size=len(batch),
-            )
+        log_step_metrics(self, values, self.rollout_step, len(batch))
 
     def _beta_metrics(self, batch: RolloutBatch, returns: torch.Tensor) -> dict[str, float]:
         """β of this step's critic targets on the realized return, per remaining-horizon bin
@@ -612,6 +616,10 @@ class BraceModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _attached_datamodule(self) -> pl.LightningDataModule | None:
+        """The trainer's data module; None for a module without a trainer (load_from_checkpoint)."""
+        return None if self._trainer is None else self._trainer.datamodule
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["brace"] = {
             "policy_version": self.policy_version,
@@ -621,12 +629,12 @@ class BraceModule(pl.LightningModule):
             "python_rng": random.getstate(),
             # as plain types so the checkpoint loads with torch.load(weights_only=True)
             "numpy_rng": _numpy_state_to_plain(np.random.get_state()),
-            RECORD_KEY: data_module_name(self.trainer.datamodule),
+            RECORD_KEY: data_module_name(self._attached_datamodule()),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["brace"]
-        check_same_data_module(checkpoint, state.get(RECORD_KEY), self.trainer.datamodule)
+        check_same_data_module(checkpoint, state.get(RECORD_KEY), self._attached_datamodule())
         self.policy_version = int(state["policy_version"])
         self.rollout_step = int(state["rollout_step"])
         self._shuffle.set_state(state["shuffle"])

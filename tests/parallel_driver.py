@@ -203,6 +203,7 @@ def run_fixed(args: argparse.Namespace) -> None:
         max_epochs=1,
         limit_train_batches=args.steps,
         logger=Recorder(),
+        log_every_n_steps=1,  # the module logs through self.log_dict, once per rollout step
         callbacks=callbacks,
         enable_checkpointing=False,
         enable_progress_bar=False,

@@ -26,7 +26,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     checkpoint_wrapper,
 )
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
@@ -36,6 +42,29 @@ from brace_lightning.models.policy import load_causal_lm
 #: Where Hugging Face decoder-only models keep their blocks: ``model.layers`` (Llama, Qwen2, Mistral,
 #: Gemma, ...) on the causal LM's base model, ``h`` (GPT-2, Falcon) or ``layers``.
 BLOCK_LISTS = ("layers", "h", "blocks", "decoder.layers")
+
+#: Values of ``model.fsdp_mixed_precision``: ``"auto"`` = bf16 parameters with fp32 gradient
+#: reduction on GPU, full fp32 on CPU; ``"bf16"`` = bf16 parameters, fp32 reduction everywhere
+#: (gloo can all-gather bf16 on CPU); ``"fp32"`` = no mixed precision.
+MIXED_PRECISION = ("auto", "bf16", "fp32")
+
+
+def mixed_precision_dtypes(
+    setting: str, device_type: str
+) -> tuple[torch.dtype | None, torch.dtype | None]:
+    """``(param_dtype, reduce_dtype)`` for :func:`parallelize` from a ``fsdp_mixed_precision``
+    setting (see :data:`MIXED_PRECISION`) and the device type of the ranks (``"cpu"``, ``"cuda"``).
+
+    Raises:
+        ValueError: for a setting outside :data:`MIXED_PRECISION`.
+    """
+    if setting not in MIXED_PRECISION:
+        raise ValueError(
+            f"fsdp_mixed_precision must be one of {', '.join(MIXED_PRECISION)}; got {setting!r}."
+        )
+    if setting == "fp32" or (setting == "auto" and device_type == "cpu"):
+        return None, None
+    return torch.bfloat16, torch.float32
 
 
 def transformer_blocks(model: nn.Module) -> nn.ModuleList:
@@ -89,6 +118,7 @@ def parallelize(
     activation_checkpointing: bool = False,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    cpu_offload: bool = False,
 ) -> nn.Module:
     """Shard ``model`` in place with FSDP2: each transformer block, then the root.
 
@@ -101,7 +131,12 @@ def parallelize(
         param_dtype: FSDP2 mixed precision: the dtype parameters are all-gathered and computed in
             (e.g. ``torch.bfloat16``); None keeps the parameters' dtype.
         reduce_dtype: dtype of the gradient reduce-scatter (e.g. ``torch.float32``); None = the
-            ``param_dtype``.
+            ``param_dtype``. A :class:`ValueModel`'s value head is sharded on its own with fp32
+            parameters whatever ``param_dtype`` is (values are regressed in fp32).
+        cpu_offload: FSDP2 ``CPUOffloadPolicy``: parameter shards, gradients and the optimizer
+            states live in host memory (pinned), copied to the GPU for each forward/backward; the
+            optimizer step runs on the CPU. Saves about 16 bytes per parameter / world size of GPU
+            memory (fp32 Adam) at the cost of host-device copies every step and a CPU optimizer.
 
     Returns:
         ``model`` itself; a model that is already an ``FSDPModule`` is returned unchanged.
@@ -109,15 +144,24 @@ def parallelize(
     if isinstance(model, FSDPModule):
         return model
     dp_mesh = data_parallel_mesh(mesh)
+    if cpu_offload and dp_mesh.device_type == "cpu":
+        raise ValueError(
+            "parallelize got cpu_offload=True on a 'cpu' device mesh; expected a GPU mesh (on "
+            "CPU the shards already live in host memory: set fsdp_cpu_offload=False)."
+        )
     policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     blocks = transformer_blocks(model)
     for index, block in enumerate(blocks):
         if activation_checkpointing and not isinstance(block, CheckpointWrapper):
             # preserve_rng_state=False: the blocks have no dropout in training (HF default 0.0).
             block = checkpoint_wrapper(block, preserve_rng_state=False)
             blocks[index] = block
-        fully_shard(block, mesh=dp_mesh, mp_policy=policy)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy)
+        fully_shard(block, mesh=dp_mesh, mp_policy=policy, offload_policy=offload)
+    if isinstance(model, ValueModel) and param_dtype not in (None, torch.float32):
+        fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+        fully_shard(model.value_head, mesh=dp_mesh, mp_policy=fp32, offload_policy=offload)
+    fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload)
     return model
 
 

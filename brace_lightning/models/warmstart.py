@@ -2,7 +2,9 @@
 
 RL from a randomly initialised tiny model never sees a reward, so the quickstart first teaches the
 answer format with a few hundred steps of next-token prediction on reference solutions. The loss
-covers the completion tokens and the closing eos only (the prompt is context, as in RL). A plain
+covers the completion tokens and the closing eos only (the prompt is context, as in RL); prompts are
+encoded like the rollouts' (``rollout.collect.encode_prompt``: the chat template when the tokenizer
+has one), so an instruction model learns the format in the context it will answer in. A plain
 torch loop: AdamW, gradient clipping, a short linear warmup then cosine decay to 10% of ``lr``.
 """
 
@@ -13,7 +15,12 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
+
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.rollout.collect import encode_prompt
+from brace_lightning.tasks.base import Prompt
 
 IGNORE_INDEX = -100
 
@@ -30,8 +37,9 @@ def _encode_pairs(
         )
     encoded = []
     for prompt, completion in pairs:
-        # Prompt and completion are tokenized separately, as the engine sees them at rollout time.
-        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        # The prompt is encoded as the rollout encodes it (the chat template when the tokenizer has
+        # one), the completion separately, as the engine samples it after the prompt.
+        prompt_ids = encode_prompt(tokenizer, Prompt(prompt, completion))
         completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [eos]
         encoded.append(
             (prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids)
@@ -73,6 +81,7 @@ def supervised_warm_start(
     weight_decay: float = 0.0,
     max_grad_norm: float = 1.0,
     seed: int = 0,
+    progress: bool = False,
 ) -> list[float]:
     """Train ``model`` in place on completions given prompts; returns the loss of every step.
 
@@ -90,6 +99,7 @@ def supervised_warm_start(
         weight_decay: AdamW weight decay.
         max_grad_norm: gradient-norm clip.
         seed: seed of the batch order.
+        progress: show a progress bar with the loss (tqdm, on stderr).
     """
     if not pairs:
         raise ValueError("supervised_warm_start got no pairs; expected at least one.")
@@ -112,6 +122,7 @@ def supervised_warm_start(
     model.train()
     order: list[int] = []
     losses = []
+    bar = tqdm(total=steps, desc="Warm start", disable=not progress, dynamic_ncols=True)
     for _ in range(steps):
         if len(order) < batch_size:
             order += torch.randperm(len(examples), generator=generator).tolist()
@@ -129,5 +140,49 @@ def supervised_warm_start(
         optimizer.step()
         scheduler.step()
         losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}", refresh=False)
+        bar.update()
+    bar.close()
+    # No gradient outlives the warm start: a stale .grad would be all-reduced by DDP's reducer (and
+    # applied by the RL optimizer's first step) as if the RL loss had produced it.
+    optimizer.zero_grad(set_to_none=True)
     model.train(was_training)
     return losses
+
+
+def copy_backbone_to_critic(
+    actor: torch.nn.Module, critic: ValueModel, *, seed: int, head_init_std: float = 1e-3
+) -> None:
+    """Load the actor's backbone weights into ``critic.backbone`` and re-initialise its value head.
+
+    In place, on unsharded modules (no copy of the actor is made, so the critic keeps its own
+    storage, device and parallel wrapping-to-be). The head is drawn as :class:`ValueModel` draws it
+    (normal weights of std ``head_init_std``, zero bias), seeded by ``seed``, leaving the global RNG
+    untouched.
+    """
+    base = getattr(actor, "base_model", None)
+    if base is None or base is actor:
+        raise ValueError(
+            f"copy_backbone_to_critic got actor of type {type(actor).__name__}; expected a causal "
+            "LM whose .base_model is its backbone."
+        )
+    critic.backbone.load_state_dict(base.state_dict())
+    head = critic.value_head
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        torch.manual_seed(seed)
+        torch.nn.init.normal_(head.weight, std=head_init_std)
+        torch.nn.init.zeros_(head.bias)
+
+
+def broadcast_from_rank_zero(*modules: torch.nn.Module) -> None:
+    """Overwrite every rank's parameters and buffers with rank 0's (no-op without a process group).
+
+    Called after a warm start that every rank ran on its own full copy, so that sharding (which
+    keeps each rank's own slice) assembles one model even if the ranks' arithmetic differed.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    with torch.no_grad():
+        for module in modules:
+            for tensor in [*module.parameters(), *module.buffers()]:
+                torch.distributed.broadcast(tensor.data, src=0)

@@ -1,0 +1,140 @@
+"""Meta-device construction with per-rank loading (``models/meta_init.py``).
+
+A saved Hugging Face folder is loaded into a sharded actor and critic built on the meta device;
+their log-probs and values must equal those of the same folder loaded whole in one process.
+The 2-rank case runs two gloo processes (``torch.multiprocessing``).
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import DTensor
+
+from brace_lightning.models import ValueModel, build_char_tokenizer, load_actor
+from brace_lightning.models.meta_init import (
+    fill_from_safetensors,
+    load_sharded_actor,
+    load_sharded_critic,
+)
+from brace_lightning.models.parallelize import parallelize
+from brace_lightning.models.policy import load_causal_lm, token_logprobs
+
+#: fp32 on both sides; only the reduction order of the sharded forward can differ.
+ATOL = 1e-5
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _save_actor(folder: Path) -> None:
+    actor = load_actor(
+        "tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=3, seed=5
+    )
+    actor.save_pretrained(folder)
+
+
+def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    attn[0, :3] = 0  # a left-padded row
+    return ids, attn
+
+
+def _reference(folder: Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-probs and values of ``folder`` loaded whole, without FSDP."""
+    actor = load_causal_lm(str(folder))
+    critic = ValueModel.from_pretrained(str(folder))
+    with torch.random.fork_rng(devices=[]):
+        generator = torch.Generator().manual_seed(7)
+        weight = torch.randn(tuple(critic.value_head.weight.shape), generator=generator) * 1e-3
+    with torch.no_grad():
+        critic.value_head.weight.copy_(weight)
+        critic.value_head.bias.zero_()
+    ids, attn = _inputs()
+    with torch.no_grad():
+        return token_logprobs(actor, ids, attn)[0], critic(ids, attn)
+
+
+def _sharded(folder: Path, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor]:
+    actor = load_sharded_actor(folder, mesh)
+    critic = load_sharded_critic(folder, mesh, seed=7)
+    assert all(isinstance(p, DTensor) for p in actor.parameters())
+    assert all(isinstance(p, DTensor) for p in critic.parameters())
+    ids, attn = _inputs()
+    with torch.no_grad():
+        return token_logprobs(actor, ids, attn)[0], critic(ids, attn)
+
+
+@pytest.fixture(scope="module")
+def mesh() -> Iterator[DeviceMesh]:
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
+    )
+    try:
+        yield init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_meta_built_sharded_actor_and_critic_match_the_whole_loaded_folder(
+    tmp_path: Path, mesh: DeviceMesh
+) -> None:
+    _save_actor(tmp_path)
+    logprobs, values = _reference(tmp_path)
+    sharded_logprobs, sharded_values = _sharded(tmp_path, mesh)
+    torch.testing.assert_close(sharded_logprobs, logprobs, atol=ATOL, rtol=0)
+    torch.testing.assert_close(sharded_values, values, atol=ATOL, rtol=0)
+    assert values.abs().max() > 0  # the value head was initialised, not left at zero
+
+
+def test_critic_backbone_is_read_from_the_files_not_copied(
+    tmp_path: Path, mesh: DeviceMesh
+) -> None:
+    _save_actor(tmp_path)
+    actor = load_sharded_actor(tmp_path, mesh)
+    critic = load_sharded_critic(tmp_path, mesh)
+    embed = critic.backbone.embed_tokens.weight
+    assert embed.to_local().data_ptr() != actor.model.embed_tokens.weight.to_local().data_ptr()
+    torch.testing.assert_close(embed.full_tensor(), actor.model.embed_tokens.weight.full_tensor())
+
+
+def test_a_checkpoint_of_another_architecture_is_a_clear_error(
+    tmp_path: Path, mesh: DeviceMesh
+) -> None:
+    _save_actor(tmp_path)
+    bigger = load_actor("tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=4)
+    parallelize(bigger, mesh)
+    with pytest.raises(ValueError, match="is not in the safetensors files"):
+        fill_from_safetensors(bigger, tmp_path, key_map={})
+
+
+def _rank_main(rank: int, port: int, folder: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+        logprobs, values = _sharded(Path(folder), mesh)
+        torch.save((logprobs, values), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_load_their_shards_and_match_the_whole_loaded_folder(tmp_path: Path) -> None:
+    _save_actor(tmp_path)
+    logprobs, values = _reference(tmp_path)
+    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        rank_logprobs, rank_values = torch.load(tmp_path / f"rank{rank}.pt")
+        torch.testing.assert_close(rank_logprobs, logprobs, atol=ATOL, rtol=0)
+        torch.testing.assert_close(rank_values, values, atol=ATOL, rtol=0)

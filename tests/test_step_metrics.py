@@ -1,0 +1,48 @@
+"""Step metrics go through ``self.log_dict``: callbacks that monitor them work, TensorBoard stays
+indexed by rollout step, and no metric is logged twice under two names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from brace_lightning.cli import run
+from brace_lightning.logs import read_scalars
+from tests.test_trainer import small_run
+
+
+@pytest.mark.slow
+def test_checkpoint_monitor_and_early_stopping_see_the_logged_metrics(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+    cli = run(
+        small_run(
+            tmp_path,
+            "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+            f"--trainer.callbacks.dirpath={ckpt}",
+            "--trainer.callbacks.monitor=rollout/reward",
+            "--trainer.callbacks.mode=max",
+            "--trainer.callbacks.save_top_k=1",
+            "--trainer.callbacks.every_n_train_steps=1",
+            "--trainer.callbacks+=lightning.pytorch.callbacks.EarlyStopping",
+            "--trainer.callbacks.monitor=critic/loss",
+            "--trainer.callbacks.check_on_train_epoch_end=true",
+            "--trainer.callbacks.patience=100",
+            steps=3,
+        )
+    )
+    checkpoint, stopper = cli.trainer.checkpoint_callback, cli.trainer.early_stopping_callback
+    assert checkpoint.best_model_score is not None and len(list(ckpt.iterdir())) == 1
+    assert "rollout/reward" in cli.trainer.callback_metrics
+    assert stopper.best_score.isfinite()  # EarlyStopping found critic/loss every step
+    scalars = read_scalars(cli.trainer.logger.log_dir)
+    # x-axis = rollout step, every step; the "step" key sets it and is not a scalar of its own
+    for name in ("rollout/reward", "critic/loss", "kl/mu_pi_k3", "data/staleness_mean"):
+        assert [step for step, _ in scalars[name]] == [1, 2, 3], name
+    assert "step" not in scalars and "epoch" not in scalars
+    for duplicate in ("data/mean_score", "data/accuracy", "data/mean_response_length"):
+        assert duplicate not in scalars
+    # the best checkpoint's score is the best logged reward
+    assert float(checkpoint.best_model_score) == pytest.approx(
+        max(value for _, value in scalars["rollout/reward"])
+    )
