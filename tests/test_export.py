@@ -74,19 +74,24 @@ def test_the_fit_end_callback_exports_the_final_weights(trained) -> None:
     _assert_same_outputs(cli.model, root / "at_fit_end")
 
 
-def test_export_command_refuses_a_missing_checkpoint_with_one_sentence(tmp_path: Path) -> None:
-    done = subprocess.run(
+def export_command(ckpt_path: Path, out: Path) -> subprocess.CompletedProcess:
+    """Run ``brace-lightning export`` as a user would."""
+    return subprocess.run(
         [
             str(Path(sys.executable).with_name("brace-lightning")),
             "export",
-            f"--ckpt_path={tmp_path / 'nope.ckpt'}",
-            f"--out={tmp_path / 'out'}",
+            f"--ckpt_path={ckpt_path}",
+            f"--out={out}",
         ],
         capture_output=True,
         text=True,
         timeout=300,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )
+
+
+def test_export_command_refuses_a_missing_checkpoint_with_one_sentence(tmp_path: Path) -> None:
+    done = export_command(tmp_path / "nope.ckpt", tmp_path / "out")
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == (
         f"error: ckpt_path={str(tmp_path / 'nope.ckpt')!r} does not exist; expected a .ckpt file "
@@ -110,18 +115,7 @@ def test_export_of_a_sharded_fsdp_checkpoint_matches_the_gathered_weights(tmp_pa
     )
     (checkpoint,) = ckpt.iterdir()
     assert checkpoint.is_dir()
-    done = subprocess.run(
-        [
-            str(Path(sys.executable).with_name("brace-lightning")),
-            "export",
-            f"--ckpt_path={checkpoint}",
-            f"--out={tmp_path / 'exported'}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
+    done = export_command(checkpoint, tmp_path / "exported")
     assert done.returncode == 0, done.stderr[-3000:]
     gathered = _weights(first)  # the full weights rank 0 gathered at the end of that run
     actor = AutoModelForCausalLM.from_pretrained(tmp_path / "exported" / "actor")

@@ -4,8 +4,8 @@ Building the actor and the critic whole on every rank before sharding costs each
 fp32 copies of the backbone in host memory. Here a model is created on ``torch.device("meta")``
 (no storage), sharded with :func:`~brace_lightning.models.parallelize.parallelize`, materialised
 with ``to_empty`` (each rank allocates only its shards), and every shard is then read from the
-checkpoint's ``*.safetensors`` files with ``safe_open(...).get_slice`` (each rank reads only the
-rows it keeps). The critic's backbone is read from the same files (its ``backbone.`` keys are the
+checkpoint's ``*.safetensors`` files with plain file reads at the right offsets (each rank reads
+only the rows it keeps, straight into its shard; no memory map). The critic's backbone is read from the same files (its ``backbone.`` keys are the
 causal LM's ``model.`` keys); its value head is initialised as in :class:`ValueModel`.
 Non-persistent buffers (rotary frequencies) are recomputed from the owning module's config.
 
@@ -16,10 +16,10 @@ and output embeddings are filled from the embedding's key when the files omit ``
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
@@ -50,8 +50,7 @@ def safetensors_index(folder: str | Path) -> dict[str, Path]:
             f"model folder {str(folder)!r} has no model.safetensors or "
             "model.safetensors.index.json; expected a folder written by save_pretrained."
         )
-    with safe_open(single, framework="pt") as handle:
-        return {name: single for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    return dict.fromkeys(_read_header(single)[1], single)
 
 
 def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
@@ -124,43 +123,90 @@ def fill_from_safetensors(
         if name.rsplit(".", 1)[-1]
         not in model.get_submodule(name.rpartition(".")[0])._non_persistent_buffers_set
     }
-    handles: dict[Path, object] = {}
+    headers: dict[Path, tuple[int, dict[str, dict]]] = {}
     read = 0
-    try:
-        for raw_name, tensor in tensors.items():
-            name = raw_name.replace(WRAPPER_PREFIX, "")
-            if name.startswith(skip):
-                continue
-            key = name
-            for old, new in key_map.items():
-                if name.startswith(old):
-                    key = new + name[len(old) :]
-                    break
-            if key not in index and key == "lm_head.weight":
-                key = "model.embed_tokens.weight"  # tied embeddings: the files keep one copy
-            if key not in index:
-                raise ValueError(
-                    f"fill_from_safetensors: {name!r} (file key {key!r}) is not in the "
-                    f"safetensors files of {str(folder)!r}; expected a checkpoint of this "
-                    "architecture."
-                )
-            path = index[key]
-            if path not in handles:
-                handles[path] = safe_open(path, framework="pt").__enter__()
-            view = handles[path].get_slice(key)  # type: ignore[attr-defined]
-            if tuple(view.get_shape()) != tuple(tensor.shape):
-                raise ValueError(
-                    f"fill_from_safetensors: {key!r} has shape {tuple(view.get_shape())} in the "
-                    f"files and {tuple(tensor.shape)} in the model; expected equal shapes."
-                )
-            local, rows = _local_rows(tensor)
-            data = view[:] if rows is None else view[rows]
-            local.copy_(data)
-            read += data.numel() * data.element_size()
-    finally:
-        for handle in handles.values():
-            handle.__exit__(None, None, None)  # type: ignore[attr-defined]
+    for raw_name, tensor in tensors.items():
+        name = raw_name.replace(WRAPPER_PREFIX, "")
+        if name.startswith(skip):
+            continue
+        key = name
+        for old, new in key_map.items():
+            if name.startswith(old):
+                key = new + name[len(old) :]
+                break
+        if key not in index and key == "lm_head.weight":
+            key = "model.embed_tokens.weight"  # tied embeddings: the files keep one copy
+        if key not in index:
+            raise ValueError(
+                f"fill_from_safetensors: {name!r} (file key {key!r}) is not in the "
+                f"safetensors files of {str(folder)!r}; expected a checkpoint of this "
+                "architecture."
+            )
+        path = index[key]
+        if path not in headers:
+            headers[path] = _read_header(path)
+        data_start, entries = headers[path]
+        entry = entries[key]
+        if tuple(entry["shape"]) != tuple(tensor.shape):
+            raise ValueError(
+                f"fill_from_safetensors: {key!r} has shape {tuple(entry['shape'])} in the "
+                f"files and {tuple(tensor.shape)} in the model; expected equal shapes."
+            )
+        local, rows = _local_rows(tensor)
+        read += _read_rows(path, data_start, entry, rows, local)
     return read
+
+
+#: safetensors dtype names -> torch dtypes (the ones model checkpoints use).
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def _read_header(path: Path) -> tuple[int, dict[str, dict]]:
+    """``(offset of the data section, {name: {"dtype", "shape", "data_offsets"}})`` of a
+    safetensors file (8-byte little-endian header length, then the JSON header)."""
+    with open(path, "rb") as handle:
+        length = int.from_bytes(handle.read(8), "little")
+        header = json.loads(handle.read(length))
+    header.pop("__metadata__", None)
+    return 8 + length, header
+
+
+def _read_rows(
+    path: Path, data_start: int, entry: dict, rows: slice | None, out: torch.Tensor
+) -> int:
+    """Read rows ``rows`` (all when None) of one tensor of a safetensors file into ``out`` with
+    plain file reads (no memory map, so the rest of the file never enters this process's memory);
+    returns the bytes read."""
+    dtype = SAFETENSORS_DTYPES.get(entry["dtype"])
+    if dtype is None:
+        raise ValueError(
+            f"fill_from_safetensors: unsupported safetensors dtype {entry['dtype']!r} in "
+            f"{str(path)!r}; expected one of {', '.join(SAFETENSORS_DTYPES)}."
+        )
+    shape = list(entry["shape"])
+    row_bytes = dtype.itemsize * (math.prod(shape[1:]) if shape else 1)
+    first = 0 if rows is None or not shape else rows.start
+    if rows is not None and shape:
+        shape[0] = rows.stop - rows.start
+    direct = out.device.type == "cpu" and out.dtype == dtype and out.is_contiguous()
+    buffer = out if direct else torch.empty(shape, dtype=dtype)
+    flat = buffer.reshape(-1).view(torch.uint8)
+    with open(path, "rb") as handle:
+        handle.seek(data_start + entry["data_offsets"][0] + first * row_bytes)
+        if flat.numel() and handle.readinto(memoryview(flat.numpy())) != flat.numel():
+            raise ValueError(f"fill_from_safetensors: {str(path)!r} is truncated.")
+    if not direct:
+        out.copy_(buffer.view(out.shape))
+    return flat.numel()
 
 
 @torch.no_grad()

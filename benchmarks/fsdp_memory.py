@@ -1,0 +1,158 @@
+"""Peak memory per rank of building, loading and stepping the FSDP2 actor and critic.
+
+    python -m benchmarks.fsdp_memory [--layers 24] [--ranks 2] [--device cpu|cuda] [--folder DIR]
+
+A Qwen2.5-0.5B-shaped model (hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocabulary
+151,936, tied embeddings; ``--layers`` blocks) with random weights is written once to a safetensors
+folder from its config. Then, for each construction path, ``--ranks`` fresh gloo (or NCCL) processes
+build the actor and the critic, shard them, and run one AdamW step on a 2 x 32 batch:
+
+- *today*: each rank loads the whole checkpoint (``from_pretrained``), deep-copies the backbone into
+  the critic (``ValueModel.from_actor``), then shards both with ``parallelize``;
+- *meta*: ``models/meta_init.py``: both built on the meta device, sharded, ``to_empty``, each rank
+  reading only its rows of the safetensors files.
+
+Per rank: peak host RSS (``ru_maxrss``) up to the end of loading and through the first optimizer
+step, minus the RSS of the process before construction (imports, gloo); on ``--device cuda`` the
+peak ``torch.cuda.max_memory_allocated`` instead. The table shows the worst rank, the ratio to the
+actor's fp32 size, the accounting of ``models/memory.py`` for the sharded training state, and the
+time from the start of construction to the end of the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import socket
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from benchmarks._timing import positive_int
+from brace_lightning.models import ValueModel
+from brace_lightning.models.memory import fsdp_bytes_per_rank, parameter_counts
+from brace_lightning.models.meta_init import load_sharded_actor, load_sharded_critic
+from brace_lightning.models.parallelize import parallelize
+from brace_lightning.models.policy import load_causal_lm, token_logprobs
+
+PATHS = ("today", "meta")
+GIB = 2**30
+
+
+def qwen_05b_config(layers: int) -> Qwen2Config:
+    """Qwen2.5-0.5B's shape with ``layers`` transformer blocks."""
+    return Qwen2Config(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
+
+
+def write_checkpoint(folder: Path, layers: int) -> None:
+    """Random weights of :func:`qwen_05b_config` saved to ``folder`` (skipped if already there)."""
+    if (folder / "config.json").is_file():
+        return
+    model = AutoModelForCausalLM.from_config(qwen_05b_config(layers))
+    model.save_pretrained(folder)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=args.ranks)
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    mesh = init_device_mesh(device.type, (args.ranks,), mesh_dim_names=("data_parallel",))
+    dist.barrier()
+    base = _rss_bytes()
+    start = time.perf_counter()
+    if path == "today":
+        actor = load_causal_lm(str(args.folder))
+        critic = ValueModel.from_actor(actor, seed=0)
+        for model in (actor, critic):
+            parallelize(model, mesh)
+            model.to(device)
+    else:
+        actor = load_sharded_actor(args.folder, mesh, device=device)
+        critic = load_sharded_critic(args.folder, mesh, device=device)
+    loaded_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    optimizer = torch.optim.AdamW([*actor.parameters(), *critic.parameters()], lr=1e-6)
+    ids = torch.randint(3, 1000, (2, 32), generator=torch.Generator().manual_seed(rank)).to(device)
+    attn = torch.ones_like(ids)
+    logprobs, _ = token_logprobs(actor, ids, attn)
+    (logprobs.mean() + critic(ids, attn).square().mean()).backward()
+    optimizer.step()
+    step_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    elapsed = time.perf_counter() - start
+    torch.save((loaded_peak, step_peak, elapsed), out / f"{path}-{rank}.pt")
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=positive_int, default=24)
+    parser.add_argument("--ranks", type=positive_int, default=2)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--folder", type=Path, default=None, help="checkpoint cache folder")
+    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    args = parser.parse_args(argv)
+    with tempfile.TemporaryDirectory() as scratch:
+        if args.folder is None:
+            args.folder = Path(scratch) / "qwen05b"
+        write_checkpoint(args.folder, args.layers)
+        config = qwen_05b_config(args.layers)
+        actor_bytes = parameter_counts(config)["actor"] * 4
+        accounted = fsdp_bytes_per_rank(config, args.ranks)
+        results = {}
+        for path in args.paths:
+            mp.spawn(_rank, args=(path, args, _free_port(), Path(scratch)), nprocs=args.ranks)
+            rows = [torch.load(Path(scratch) / f"{path}-{r}.pt") for r in range(args.ranks)]
+            results[path] = [max(column) for column in zip(*rows, strict=True)]
+    memory = "max allocated" if args.device == "cuda" else "peak RSS above start"
+    print(
+        f"Qwen2.5-0.5B shape, {args.layers} layers, actor fp32 {actor_bytes / GIB:.2f} GiB, "
+        f"{args.ranks} ranks, {args.device}; worst rank; accounting (sharded params+grads+AdamW "
+        f"+ one gathered unit per model) {accounted / GIB:.2f} GiB"
+    )
+    print(
+        f"| path | {memory}, load (GiB) | x actor fp32 | through step 1 (GiB) | time to step 1 (s) |"
+    )
+    print("|---|---|---|---|---|")
+    for path, (loaded, stepped, elapsed) in results.items():
+        print(
+            f"| {path} | {loaded / GIB:.2f} | {loaded / actor_bytes:.2f} | {stepped / GIB:.2f} "
+            f"| {elapsed:.1f} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
