@@ -40,6 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
+from brace_lightning.hparams import from_config, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
@@ -166,18 +167,18 @@ class BraceModule(pl.LightningModule):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
-        if not isinstance(value_target, ValueTarget):
-            raise ValueError(
-                f"value_target must be a brace_lightning.targets.ValueTarget; got {value_target!r}."
-            )
-        if not isinstance(actor_objective, ActorObjective):
-            raise ValueError(
-                "actor_objective must be a brace_lightning.objectives.ActorObjective; got "
-                f"{actor_objective!r}."
-            )
-        self.save_hyperparameters(
-            ignore=["value_target", "actor_objective", "critic_loss"], logger=False
-        )
+        # load_from_checkpoint passes the saved class_path configs (brace_lightning/hparams.py).
+        value_target = from_config(value_target, ValueTarget, "value_target")
+        actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
+        critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
+        self.save_hyperparameters()
+        objects = {
+            name: to_config(self.hparams[name])
+            for name in ("value_target", "actor_objective", "critic_loss")
+            if not isinstance(self.hparams[name], dict)  # built in Python, not by LightningCLI
+        }
+        if objects:
+            self.save_hyperparameters(objects)  # saved as the configs LightningCLI writes
         self.automatic_optimization = False
         self.value_target = value_target
         self.actor_objective = actor_objective
@@ -615,6 +616,10 @@ class BraceModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _attached_datamodule(self) -> pl.LightningDataModule | None:
+        """The trainer's data module; None for a module without a trainer (load_from_checkpoint)."""
+        return None if self._trainer is None else self._trainer.datamodule
+
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         checkpoint["brace"] = {
             "policy_version": self.policy_version,
@@ -624,12 +629,12 @@ class BraceModule(pl.LightningModule):
             "python_rng": random.getstate(),
             # as plain types so the checkpoint loads with torch.load(weights_only=True)
             "numpy_rng": _numpy_state_to_plain(np.random.get_state()),
-            RECORD_KEY: data_module_name(self.trainer.datamodule),
+            RECORD_KEY: data_module_name(self._attached_datamodule()),
         }
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["brace"]
-        check_same_data_module(checkpoint, state.get(RECORD_KEY), self.trainer.datamodule)
+        check_same_data_module(checkpoint, state.get(RECORD_KEY), self._attached_datamodule())
         self.policy_version = int(state["policy_version"])
         self.rollout_step = int(state["rollout_step"])
         self._shuffle.set_state(state["shuffle"])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from brace_lightning.models.tokenizer import build_char_tokenizer
+from brace_lightning.models.warmstart import _encode_pairs
 from brace_lightning.rollout.collect import encode_prompt, encode_prompts
 from brace_lightning.tasks import HFPrompts, JSONLPrompts, Prompt
 
@@ -105,6 +106,18 @@ def test_chat_template_renders_system_and_user_turns_by_default() -> None:
     assert tokenizer.decode(ids) == "<system>Add.\n<user>1+2=\n<assistant>"
     off = Prompt("1+2=", "3", {"chat_template": False})
     assert encode_prompts(tokenizer, [off]) == [tokenizer("1+2=")["input_ids"]]
+
+
+def test_warm_start_encodes_prompts_with_the_chat_template_like_the_rollouts() -> None:
+    # The warm start teaches the answer format in the context the engine will sample it in.
+    tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = CHAT_TEMPLATE
+    [(ids, labels)] = _encode_pairs(tokenizer, [("1+2=", "3")])
+    rollout_ids = encode_prompts(tokenizer, [Prompt("1+2=", "3")])[0]
+    assert tokenizer.decode(rollout_ids) == "<user>1+2=\n<assistant>"
+    completion = tokenizer("3", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    assert ids == rollout_ids + completion
+    assert labels == [-100] * len(rollout_ids) + completion
 
 
 REWARD_MODULE = """

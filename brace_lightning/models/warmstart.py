@@ -2,7 +2,9 @@
 
 RL from a randomly initialised tiny model never sees a reward, so the quickstart first teaches the
 answer format with a few hundred steps of next-token prediction on reference solutions. The loss
-covers the completion tokens and the closing eos only (the prompt is context, as in RL). A plain
+covers the completion tokens and the closing eos only (the prompt is context, as in RL); prompts are
+encoded like the rollouts' (``rollout.collect.encode_prompt``: the chat template when the tokenizer
+has one), so an instruction model learns the format in the context it will answer in. A plain
 torch loop: AdamW, gradient clipping, a short linear warmup then cosine decay to 10% of ``lr``.
 """
 
@@ -17,6 +19,8 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.models.critic import ValueModel
+from brace_lightning.rollout.collect import encode_prompt
+from brace_lightning.tasks.base import Prompt
 
 IGNORE_INDEX = -100
 
@@ -33,8 +37,9 @@ def _encode_pairs(
         )
     encoded = []
     for prompt, completion in pairs:
-        # Prompt and completion are tokenized separately, as the engine sees them at rollout time.
-        prompt_ids = list(tokenizer(prompt)["input_ids"])
+        # The prompt is encoded as the rollout encodes it (the chat template when the tokenizer has
+        # one), the completion separately, as the engine samples it after the prompt.
+        prompt_ids = encode_prompt(tokenizer, Prompt(prompt, completion))
         completion_ids = list(tokenizer(completion, add_special_tokens=False)["input_ids"]) + [eos]
         encoded.append(
             (prompt_ids + completion_ids, [IGNORE_INDEX] * len(prompt_ids) + completion_ids)

@@ -1,0 +1,58 @@
+"""The module's component objects as ``class_path`` + ``init_args`` configs, and back.
+
+``BraceModule`` saves its hyperparameters so that ``load_from_checkpoint`` rebuilds the same run.
+The value target, actor objective and critic loss are small config objects (their ``__init__``
+arguments are stored as attributes of the same names), so they are saved as the dictionaries
+LightningCLI writes for them (``{"class_path": "brace_lightning.targets.GAE", "init_args":
+{...}}``): plain data, readable in ``hparams.yaml`` and loadable with ``weights_only=True``. A
+module built by LightningCLI already receives its hyperparameters in this form; one built in
+Python gets them converted by :func:`to_config`, and :func:`from_config` turns them back into
+objects when the checkpoint is loaded.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+def to_config(obj: object) -> dict[str, Any]:
+    """``{"class_path": "<module>.<Class>", "init_args": {name: value}}`` of a config object.
+
+    ``init_args`` reads, for every keyword of ``type(obj).__init__``, the attribute of that name.
+    """
+    cls = type(obj)
+    init_args = {}
+    for name, parameter in inspect.signature(cls.__init__).parameters.items():
+        if name == "self" or parameter.kind in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD):
+            continue
+        if not hasattr(obj, name):
+            raise ValueError(
+                f"to_config got a {cls.__name__} without attribute {name!r}; expected every "
+                "__init__ argument stored under its own name."
+            )
+        init_args[name] = getattr(obj, name)
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+
+
+def from_config(value: T | dict[str, Any], base: type[T], argument: str) -> T:
+    """``value`` itself if it is a ``base``, else the object its ``class_path`` config describes."""
+    if isinstance(value, base):
+        return value
+    if not (isinstance(value, dict) and isinstance(value.get("class_path"), str)):
+        raise ValueError(
+            f"{argument} must be a {base.__module__}.{base.__name__} or a "
+            f"{{'class_path': ..., 'init_args': ...}} config of one; got {value!r}."
+        )
+    module_name, _, class_name = value["class_path"].rpartition(".")
+    # Only already imported classes: a checkpoint's config must not import (run) new code.
+    cls = getattr(sys.modules.get(module_name), class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, base)):
+        raise ValueError(
+            f"{argument} has class_path {value['class_path']!r}; expected an already imported "
+            f"subclass of {base.__module__}.{base.__name__}."
+        )
+    return cls(**value.get("init_args", {}))
