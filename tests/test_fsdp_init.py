@@ -7,6 +7,7 @@ The 2-rank case runs two gloo processes (``torch.multiprocessing``).
 
 from __future__ import annotations
 
+import copy
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -138,3 +140,34 @@ def test_two_ranks_load_their_shards_and_match_the_whole_loaded_folder(tmp_path:
         rank_logprobs, rank_values = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(rank_logprobs, logprobs, atol=ATOL, rtol=0)
         torch.testing.assert_close(rank_values, values, atol=ATOL, rtol=0)
+
+
+def test_from_actor_clones_the_backbone_without_deepcopy(monkeypatch: pytest.MonkeyPatch) -> None:
+    actor = load_actor("tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=1)
+    # Every module refuses deepcopy, as FSDP modules do ("FSDP does not support deepcopy").
+    monkeypatch.setattr(nn.Module, "__deepcopy__", _refuse, raising=False)
+    with pytest.raises(AssertionError, match="deepcopy of a module"):
+        copy.deepcopy(actor)
+    critic = ValueModel.from_actor(actor, seed=1)
+    monkeypatch.undo()
+    for name, tensor in actor.base_model.state_dict().items():
+        clone = critic.backbone.state_dict()[name]
+        assert torch.equal(clone, tensor) and clone.data_ptr() != tensor.data_ptr(), name
+    assert not any(t.is_meta for t in critic.state_dict().values())
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():  # rotary buffers rebuilt: same hidden states as the actor's backbone
+        want = actor.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        got = critic.backbone(input_ids=ids, attention_mask=attn).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("deepcopy of a module")
+
+
+def test_from_actor_refuses_a_sharded_actor(mesh: DeviceMesh) -> None:
+    actor = load_actor("tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=1)
+    parallelize(actor, mesh)
+    with pytest.raises(ValueError, match="from_actor got an FSDP-sharded actor"):
+        ValueModel.from_actor(actor)
