@@ -39,7 +39,14 @@ def to_config(obj: object) -> dict[str, Any]:
 
 
 def from_config(value: T | dict[str, Any], base: type[T], argument: str) -> T:
-    """``value`` itself if it is a ``base``, else the object its ``class_path`` config describes."""
+    """``value`` itself if it is a ``base``, else the object its ``class_path`` config describes.
+
+    A jsonargparse ``lazy_instance`` (the signature's defaults) is built for real, so that
+    ``save_hyperparameters`` can copy it (a lazy instance cannot be deep-copied).
+    """
+    lazy_type = getattr(value, "_lazy_class_type", None)
+    if isinstance(lazy_type, type) and issubclass(lazy_type, base):
+        return lazy_type(**getattr(value, "_lazy_kwargs", {}))
     if isinstance(value, base):
         return value
     if not (isinstance(value, dict) and isinstance(value.get("class_path"), str)):
