@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
-from brace_lightning.hparams import from_config, to_config
+from brace_lightning.hparams import from_config, log_final_hparams, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
@@ -642,6 +642,9 @@ class BraceModule(pl.LightningModule):
         return out
 
     # ------------------------------------------------------------------ checkpoints
+
+    def on_fit_end(self) -> None:
+        log_final_hparams(self)  # HParams tab: the hyperparameters with the final metrics
 
     def _attached_datamodule(self) -> pl.LightningDataModule | None:
         """The trainer's data module; None for a module without a trainer (load_from_checkpoint)."""

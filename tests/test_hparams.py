@@ -13,6 +13,7 @@ import yaml
 
 from brace_lightning.cli import run
 from brace_lightning.hparams import from_config, to_config
+from brace_lightning.logs import read_scalars
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import (
     DIS,
@@ -125,6 +126,8 @@ def test_cli_checkpoint_restores_target_and_objective_and_writes_hparams_yaml(
     assert (
         Path(cli.trainer.logger.log_dir).parent.name == "ArithmeticTask-GAE-TIS-lag0"
     )  # the quickstart samples on-policy
+    scalars = read_scalars(cli.trainer.logger.log_dir)  # the HParams tab's final metrics
+    assert scalars["hp/rollout_reward"] == [(2, scalars["rollout/reward"][-1][1])]
     saved = yaml.safe_load((Path(cli.trainer.logger.log_dir) / "hparams.yaml").read_text())
     assert saved["value_target"]["class_path"].endswith("GAE")
     assert saved["value_target"]["init_args"]["lmbda"] == 0.9
