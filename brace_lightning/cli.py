@@ -24,6 +24,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 import brace_lightning
 from brace_lightning.cli_errors import check_config_files, check_engine_factory, construction_errors
 from brace_lightning.module import BraceModule
+from brace_lightning.run_names import name_tensorboard_run
 
 #: Shown at the top of ``fit --help`` and ``validate --help``: the data module's own arguments are
 #: listed by ``--data.help``, since ``data`` is chosen by class.
@@ -54,6 +55,10 @@ class BraceCLI(LightningCLI):
             "--version", action="version", version=f"brace-lightning {brace_lightning.__version__}"
         )
         return parser
+
+    def before_instantiate_classes(self) -> None:
+        """Name the TensorBoard run by task, target, objective and staleness (``run_names.py``)."""
+        name_tensorboard_run(self.config[self.subcommand] if self.subcommand else self.config)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.actor", "data.init_args.tokenizer")

@@ -176,7 +176,7 @@ class _ChunkedHeadLogProbs(torch.autograd.Function):
             if grad_h is not None:
                 grad_h[rows] = (grad_logits @ weight).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += grad_z.t() @ h.to(dtype)
+                grad_w.addmm_(grad_z.t(), h.to(dtype))  # in place: no [V, H] temporary
             if grad_b is not None:
                 grad_b += grad_z.sum(0)
             del grad_z, grad_logits
