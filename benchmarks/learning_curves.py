@@ -49,7 +49,7 @@ def one_run(target: str, seed: int, steps: int, root: Path, extra: list[str]) ->
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     subprocess.run(command, check=True, env=env, capture_output=True, cwd=ROOT)
-    (log_dir,) = sorted((root / name).glob("version_*"))[-1:]
+    (log_dir,) = sorted((root / name).rglob("version_*"))[-1:]  # under the run name
     return [value for _, value in read_scalars(log_dir)["rollout/reward"]]
 
 

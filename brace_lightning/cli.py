@@ -1,4 +1,5 @@
-"""``brace-lightning``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``).
+"""``brace-lightning``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``,
+``--version``).
 
 brace-lightning fit --config configs/quickstart.yaml
 brace-lightning fit --config configs/quickstart.yaml --config configs/targets/gae.yaml
@@ -6,9 +7,9 @@ brace-lightning fit --config configs/quickstart.yaml --model.value_target.init_a
 brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml
 brace-lightning export --ckpt_path runs/.../checkpoints/last.ckpt --out exported  # HF folders
 
-``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe —
-``brace_lightning.data.RolloutDataModule`` or ``AsyncRolloutDataModule`` — and
-``--data.max_staleness 4`` style overrides still work.
+``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe, or by short name
+(``--data RolloutDataModule``, ``--data AsyncRolloutDataModule``; ``--data.help RolloutDataModule``
+lists its arguments), and ``--data.max_staleness 4`` style overrides still work.
 """
 
 from __future__ import annotations
@@ -20,12 +21,44 @@ from typing import Any
 from lightning.pytorch import LightningDataModule
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+import brace_lightning
 from brace_lightning.cli_errors import check_config_files, check_engine_factory, construction_errors
 from brace_lightning.module import BraceModule
+from brace_lightning.run_names import name_tensorboard_run
+
+#: Shown at the top of ``fit --help`` and ``validate --help``: the data module's own arguments are
+#: listed by ``--data.help``, since ``data`` is chosen by class.
+DATA_HELP = (
+    "The data module is picked by class, short names work: --data RolloutDataModule (fixed lag) "
+    "or --data AsyncRolloutDataModule (max_staleness). Its arguments (prompts_per_step, "
+    "samples_per_prompt, lag, max_staleness, engine, task, ...) are listed by "
+    "--data.help RolloutDataModule and --data.help AsyncRolloutDataModule."
+)
 
 
 class BraceCLI(LightningCLI):
-    """LightningCLI with the tokenizer of the data module linked to the actor of the model."""
+    """LightningCLI with the tokenizer of the data module linked to the actor of the model.
+
+    Subcommands are ``fit`` and ``validate`` (the module has no test or predict step); optimizers
+    and schedulers are arguments of the model (``--model.actor_optimizer``), so LightningCLI's
+    ``--optimizer``/``--lr_scheduler`` are not offered.
+    """
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        commands = LightningCLI.subcommands()
+        return {name: commands[name] for name in ("fit", "validate")}
+
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        parser = super().init_parser(**kwargs)
+        parser.add_argument(
+            "--version", action="version", version=f"brace-lightning {brace_lightning.__version__}"
+        )
+        return parser
+
+    def before_instantiate_classes(self) -> None:
+        """Name the TensorBoard run by task, target, objective and staleness (``run_names.py``)."""
+        name_tensorboard_run(self.config[self.subcommand] if self.subcommand else self.config)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.actor", "data.init_args.tokenizer")
@@ -46,14 +79,16 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     ``cli_kwargs`` go to :class:`LightningCLI` (e.g. ``trainer_defaults={"callbacks": [...]}``).
     """
     check_config_files(sys.argv[1:] if args is None else args)
-    return BraceCLI(
-        BraceModule,
-        LightningDataModule,
-        subclass_mode_data=True,
-        args=args,
-        save_config_kwargs={"overwrite": True},
-        **cli_kwargs,
-    )
+    kwargs: dict[str, Any] = {
+        "save_config_kwargs": {"overwrite": True},
+        "auto_configure_optimizers": False,
+        "parser_kwargs": {
+            "fit": {"description": f"Train with PPO. {DATA_HELP}"},
+            "validate": {"description": f"Score on-policy rollouts. {DATA_HELP}"},
+        },
+    }
+    kwargs.update(cli_kwargs)
+    return BraceCLI(BraceModule, LightningDataModule, subclass_mode_data=True, args=args, **kwargs)
 
 
 def main() -> None:

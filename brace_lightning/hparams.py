@@ -7,7 +7,8 @@ LightningCLI writes for them (``{"class_path": "brace_lightning.targets.GAE", "i
 {...}}``): plain data, readable in ``hparams.yaml`` and loadable with ``weights_only=True``. A
 module built by LightningCLI already receives its hyperparameters in this form; one built in
 Python gets them converted by :func:`to_config`, and :func:`from_config` turns them back into
-objects when the checkpoint is loaded.
+objects when the checkpoint is loaded. At the end of ``fit`` :func:`log_final_hparams` fills
+TensorBoard's HParams tab with the final metrics.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from __future__ import annotations
 import inspect
 import sys
 from typing import Any, TypeVar
+
+import lightning.pytorch as pl
+from lightning.pytorch.loggers import TensorBoardLogger
 
 T = TypeVar("T")
 
@@ -39,7 +43,14 @@ def to_config(obj: object) -> dict[str, Any]:
 
 
 def from_config(value: T | dict[str, Any], base: type[T], argument: str) -> T:
-    """``value`` itself if it is a ``base``, else the object its ``class_path`` config describes."""
+    """``value`` itself if it is a ``base``, else the object its ``class_path`` config describes.
+
+    A jsonargparse ``lazy_instance`` (the signature's defaults) is built for real, so that
+    ``save_hyperparameters`` can copy it (a lazy instance cannot be deep-copied).
+    """
+    lazy_type = getattr(value, "_lazy_class_type", None)
+    if isinstance(lazy_type, type) and issubclass(lazy_type, base):
+        return lazy_type(**getattr(value, "_lazy_kwargs", {}))
     if isinstance(value, base):
         return value
     if not (isinstance(value, dict) and isinstance(value.get("class_path"), str)):
@@ -56,3 +67,28 @@ def from_config(value: T | dict[str, Any], base: type[T], argument: str) -> T:
             f"subclass of {base.__module__}.{base.__name__}."
         )
     return cls(**value.get("init_args", {}))
+
+
+#: Prefixes of the logged metrics whose last values go to TensorBoard's HParams tab.
+FINAL_METRIC_PREFIXES = ("rollout/", "val/")
+
+
+def log_final_hparams(module: pl.LightningModule) -> None:
+    """Write the hyperparameters with the run's final metrics to TensorBoard's HParams tab.
+
+    The last logged value of every ``rollout/*`` and ``val/*`` metric is written as ``hp/<name>``
+    (slashes become underscores) at the last rollout step, so runs can be compared by their
+    hyperparameters. Only for a :class:`TensorBoardLogger`, on rank 0.
+    """
+    trainer = module.trainer
+    if not isinstance(trainer.logger, TensorBoardLogger) or not trainer.is_global_zero:
+        return
+    metrics = {
+        "hp/" + name.replace("/", "_"): float(value)
+        for name, value in trainer.callback_metrics.items()
+        if name.startswith(FINAL_METRIC_PREFIXES)
+    }
+    if metrics:
+        trainer.logger.log_hyperparams(
+            module.hparams_initial, metrics, step=int(getattr(module, "rollout_step", 0))
+        )

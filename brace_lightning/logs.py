@@ -11,7 +11,8 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[tuple[int, float]]]:
     """All scalar series of the TensorBoard event files under ``log_dir``: name → [(step, value)].
 
     Args:
-        log_dir: a run folder (e.g. ``runs/quickstart/version_0``) holding ``events.out.tfevents.*``.
+        log_dir: a run folder holding ``events.out.tfevents.*`` (e.g.
+            ``runs/quickstart/ArithmeticTask-BRACE-PPOClip-lag0/version_0``).
     """
     path = Path(log_dir)
     if not any(path.glob("events.out.tfevents.*")):

@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
-from brace_lightning.hparams import from_config, to_config
+from brace_lightning.hparams import from_config, log_final_hparams, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
@@ -62,7 +62,14 @@ from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.step_metrics import DUPLICATE_INFO, log_step_metrics
+from brace_lightning.step_metrics import (
+    DUPLICATE_INFO,
+    log_sample_completions,
+    log_step_metrics,
+    memory_statistics,
+    optimizer_statistics,
+    rollout_statistics,
+)
 from brace_lightning.targets import BRACE, ValueTarget
 
 MIN_LOG_RATIO = -20.0
@@ -287,6 +294,7 @@ class BraceModule(pl.LightningModule):
                 f"(counts: {_counts(batch)}); check the task, the reward function and max_staleness."
             )
         temperature = float(batch.info.get("temperature", 1.0))
+        phase_start = time.perf_counter()
         with torch.no_grad():
             plan = self._micro_batches(batch.attention_mask)
             proximal_logprobs = self._score(self.actor, batch, plan, temperature)
@@ -294,6 +302,7 @@ class BraceModule(pl.LightningModule):
             old_values = shift_values(
                 score_rows(self.critic, batch.input_ids, batch.attention_mask, plan)
             )
+            forward_seconds = time.perf_counter() - phase_start
             ewma_logprobs = None
             ewma_seconds = 0.0
             # Before the first actor step the average holds no weights (its copy still has the
@@ -320,6 +329,7 @@ class BraceModule(pl.LightningModule):
         stats: dict[str, list[torch.Tensor]] = {}
         if self.ewma_actor is not None:
             stats["time/ewma_forward_ms"] = [torch.tensor(ewma_seconds * 1e3)]
+        phase_start = time.perf_counter()
         for _ in range(self.ppo_epochs):
             order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
             for rows in order.tensor_split(self.num_minibatches):
@@ -334,11 +344,26 @@ class BraceModule(pl.LightningModule):
                         train_actor,
                         stats,
                     )
+        update_seconds = time.perf_counter() - phase_start
         self.rollout_step += 1
+        phase_start = time.perf_counter()
         if train_actor:
             self.policy_version += 1
             self._publish()
-        self._log_step(batch, proximal_logprobs, old_values, targets.returns, stats, target_seconds)
+        stats["time/old_forward_ms"] = [torch.tensor(forward_seconds * 1e3)]
+        stats["time/update_ms"] = [torch.tensor(update_seconds * 1e3)]
+        stats["time/weight_sync_ms"] = [torch.tensor((time.perf_counter() - phase_start) * 1e3)]
+        tokens = batch.attention_mask.sum() * self.ppo_epochs
+        stats["perf/update_tokens_per_s"] = [tokens / max(update_seconds, 1e-9)]
+        extra = {
+            **rollout_statistics(batch, advantages),
+            **optimizer_statistics(self),
+            **memory_statistics(self.device),
+        }
+        self._log_step(
+            batch, proximal_logprobs, old_values, targets.returns, stats, target_seconds, extra
+        )
+        log_sample_completions(self, batch, self.tokenizer, self.rollout_step)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)
@@ -548,6 +573,7 @@ class BraceModule(pl.LightningModule):
         returns: torch.Tensor,
         stats: dict[str, list[torch.Tensor]],
         target_seconds: float,
+        extra: dict[str, float],
     ) -> None:
         mask = batch.mask
         log_w = (proximal_logprobs - batch.behavior_logprobs).clamp(MIN_LOG_RATIO, MAX_LOG_RATIO)
@@ -578,6 +604,7 @@ class BraceModule(pl.LightningModule):
         if batch.correct is not None:
             metrics["rollout/accuracy"] = batch.correct.float().mean()
         metrics.update(self._beta_metrics(batch, returns))
+        metrics.update(extra)
         for name, values in stats.items():
             per_update = torch.stack([v.float().reshape(()) for v in values])
             if name.endswith("_max"):
@@ -616,6 +643,9 @@ class BraceModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def on_fit_end(self) -> None:
+        log_final_hparams(self)  # HParams tab: the hyperparameters with the final metrics
+
     def _attached_datamodule(self) -> pl.LightningDataModule | None:
         """The trainer's data module; None for a module without a trainer (load_from_checkpoint)."""
         return None if self._trainer is None else self._trainer.datamodule
@@ -645,8 +675,9 @@ class BraceModule(pl.LightningModule):
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
-    """One value per metric from every data-parallel rank's: ``*_max`` → maximum,
-    ``data/count/*`` (sample counters) → sum, anything else → mean over the ranks that logged it.
+    """One value per metric from every data-parallel rank's: ``*_max`` → maximum, ``*_min`` →
+    minimum, ``data/count/*`` (sample counters) → sum, anything else → mean over the ranks that
+    logged it (so a ``*_std`` is the mean of the per-rank standard deviations).
 
     The minibatch statistics (losses, clip fractions, ...) are already summed over ranks in
     ``_update``, so their mean is the value itself; rollout metrics such as ``rollout/reward``
@@ -658,6 +689,8 @@ def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:
         values = [ranked[name] for ranked in per_rank if name in ranked]
         if name.endswith("_max"):
             out[name] = max(values)
+        elif name.endswith("_min"):
+            out[name] = min(values)
         elif name.startswith("data/count/"):
             out[name] = sum(values)
         else:

@@ -549,7 +549,7 @@ def test_fixed_lag_resume_is_exact(tmp_path):
     save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
     first = run(small_run(tmp_path / "first", *common, *save, steps=5))
     assert first.model.rollout_step == 3
-    checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # named by rollout step
     state = torch.load(checkpoint, weights_only=True)["AsyncRolloutDataModule"]
     assert state["granted"] == 3 + 2 + 1 and len(state["buffer"]["batches"]) == 3
     resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=5))

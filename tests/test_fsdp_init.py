@@ -7,6 +7,7 @@ The 2-rank case runs two gloo processes (``torch.multiprocessing``).
 
 from __future__ import annotations
 
+import copy
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,10 +16,17 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from brace_lightning.models import ValueModel, build_char_tokenizer, load_actor
+from brace_lightning.models.memory import (
+    fsdp_bytes_per_rank,
+    parameter_counts,
+    qwen2_config,
+    recipe_memory_line,
+)
 from brace_lightning.models.meta_init import (
     fill_from_safetensors,
     load_sharded_actor,
@@ -138,3 +146,65 @@ def test_two_ranks_load_their_shards_and_match_the_whole_loaded_folder(tmp_path:
         rank_logprobs, rank_values = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(rank_logprobs, logprobs, atol=ATOL, rtol=0)
         torch.testing.assert_close(rank_values, values, atol=ATOL, rtol=0)
+
+
+RECIPES = {
+    "configs/gpu/gsm8k_qwen0.5b_colocated.yaml": ("Qwen/Qwen2.5-0.5B-Instruct", 1),
+    "configs/gpu/gsm8k_qwen1.5b_disaggregated.yaml": ("Qwen/Qwen2.5-1.5B-Instruct", 4),
+    "configs/fsdp/gpu_8x.yaml": ("Qwen/Qwen2.5-1.5B-Instruct", 8),
+}
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPES))
+def test_gpu_recipe_headers_state_the_accounted_memory_per_gpu(recipe: str) -> None:
+    name, world_size = RECIPES[recipe]
+    text = (Path(__file__).resolve().parents[1] / recipe).read_text()
+    assert f"actor: {name}" in text
+    assert recipe_memory_line(name, world_size) in text.splitlines()
+
+
+def test_fsdp_accounting_is_sixteen_bytes_per_parameter_over_the_ranks_plus_gathered_units() -> (
+    None
+):
+    config = qwen2_config("Qwen/Qwen2.5-0.5B-Instruct")
+    counts = parameter_counts(config)
+    # Qwen2.5-0.5B has 494,032,768 parameters (tied embeddings); the critic drops nothing (tied
+    # head) and adds a 896 -> 1 head.
+    assert counts["actor"] == 494_032_768
+    assert counts["critic"] == counts["actor"] + 897
+    assert counts["largest_unit"] == 151_936 * 896 + 896  # root unit: embedding + final norm
+    total = counts["actor"] + counts["critic"]
+    assert fsdp_bytes_per_rank(config, 2) == int(total * 16 / 2 + 2 * counts["largest_unit"] * 4)
+    with pytest.raises(ValueError, match="world_size=0"):
+        fsdp_bytes_per_rank(config, 0)
+
+
+def test_from_actor_clones_the_backbone_without_deepcopy(monkeypatch: pytest.MonkeyPatch) -> None:
+    actor = load_actor("tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=1)
+    # Every module refuses deepcopy, as FSDP modules do ("FSDP does not support deepcopy").
+    monkeypatch.setattr(nn.Module, "__deepcopy__", _refuse, raising=False)
+    with pytest.raises(AssertionError, match="deepcopy of a module"):
+        copy.deepcopy(actor)
+    critic = ValueModel.from_actor(actor, seed=1)
+    monkeypatch.undo()
+    for name, tensor in actor.base_model.state_dict().items():
+        clone = critic.backbone.state_dict()[name]
+        assert torch.equal(clone, tensor) and clone.data_ptr() != tensor.data_ptr(), name
+    assert not any(t.is_meta for t in critic.state_dict().values())
+    ids = torch.randint(3, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    attn = torch.ones_like(ids)
+    with torch.no_grad():  # rotary buffers rebuilt: same hidden states as the actor's backbone
+        want = actor.base_model(input_ids=ids, attention_mask=attn).last_hidden_state
+        got = critic.backbone(input_ids=ids, attention_mask=attn).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def _refuse(*args: object, **kwargs: object) -> None:
+    raise AssertionError("deepcopy of a module")
+
+
+def test_from_actor_refuses_a_sharded_actor(mesh: DeviceMesh) -> None:
+    actor = load_actor("tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=1)
+    parallelize(actor, mesh)
+    with pytest.raises(ValueError, match="from_actor got an FSDP-sharded actor"):
+        ValueModel.from_actor(actor)

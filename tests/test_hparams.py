@@ -1,4 +1,4 @@
-"""Saved hyperparameters restore the run: every value target, actor objective and critic loss comes
+"""Saved hyperparameters restore the run (checkpoints are named by rollout step): every value target, actor objective and critic loss comes
 back from ``load_from_checkpoint`` (built in Python or by LightningCLI), and ``hparams.yaml`` holds
 the configuration."""
 
@@ -13,6 +13,7 @@ import yaml
 
 from brace_lightning.cli import run
 from brace_lightning.hparams import from_config, to_config
+from brace_lightning.logs import read_scalars
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import (
     DIS,
@@ -109,16 +110,24 @@ def test_cli_checkpoint_restores_target_and_objective_and_writes_hparams_yaml(
             "--model.critic_loss.clip=0.3",
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-            steps=1,
+            "--model.num_minibatches=2",
+            steps=2,
         )
     )
     (path,) = (tmp_path / "ckpt").glob("*.ckpt")
+    # Named by rollout step (the logged "step"), not by optimizer step (4 here).
+    assert cli.trainer.global_step >= 4 and path.name == "epoch=0-step=2.ckpt"
     loaded = BraceModule.load_from_checkpoint(path, weights_only=True)
     assert _same(loaded.value_target, cli.model.value_target)
     assert isinstance(loaded.value_target, GAE) and loaded.value_target.lmbda == 0.9
     assert _same(loaded.actor_objective, cli.model.actor_objective)
     assert isinstance(loaded.actor_objective, TIS)
     assert loaded.critic_loss.clip == 0.3
+    assert (
+        Path(cli.trainer.logger.log_dir).parent.name == "ArithmeticTask-GAE-TIS-lag0"
+    )  # the quickstart samples on-policy
+    scalars = read_scalars(cli.trainer.logger.log_dir)  # the HParams tab's final metrics
+    assert scalars["hp/rollout_reward"] == [(2, scalars["rollout/reward"][-1][1])]
     saved = yaml.safe_load((Path(cli.trainer.logger.log_dir) / "hparams.yaml").read_text())
     assert saved["value_target"]["class_path"].endswith("GAE")
     assert saved["value_target"]["init_args"]["lmbda"] == 0.9

@@ -174,7 +174,9 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
     save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
     first = run(small_run(tmp_path / "first", *common, *save, steps=4))
     assert first.model.rollout_step == 3
-    checkpoint = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
+    # Saved at optimizer step 10; named by the rollout step (the TensorBoard x-axis), here 3.
+    checkpoint = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
+    assert [path.name for path in (tmp_path / "ckpt").iterdir()] == [checkpoint.name]
     resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=4))
     assert (
         resumed.model.rollout_step == 4

@@ -16,6 +16,7 @@ import copy
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
 from brace_lightning.models.policy import position_ids_from_attention_mask
@@ -104,8 +105,8 @@ class ValueModel(nn.Module):
 
         Args:
             actor: a Hugging Face causal LM (``actor.base_model`` is its backbone).
-            copy_weights: True starts the backbone as a deep copy of the actor's (separate storage,
-                same values); False initialises it randomly from ``actor.config``.
+            copy_weights: True starts the backbone with clones of the actor's backbone tensors
+                (separate storage, same values; no ``deepcopy``, which FSDP modules refuse); False initialises it randomly from ``actor.config``.
             seed: seed of the random initialisation when ``copy_weights`` is False, and of the head.
             head_init_std: see :class:`ValueModel`.
         """
@@ -119,7 +120,25 @@ class ValueModel(nn.Module):
             return cls.from_config(
                 actor.config, dtype=dtype, seed=seed, head_init_std=head_init_std
             )
-        backbone = copy.deepcopy(actor.base_model)
+        state = actor.base_model.state_dict()
+        if any(isinstance(tensor, DTensor) for tensor in state.values()):
+            raise ValueError(
+                "ValueModel.from_actor got an FSDP-sharded actor; expected an unsharded one (a "
+                "sharded critic is read from the actor's checkpoint: "
+                "brace_lightning.models.meta_init.load_sharded_critic)."
+            )
+        from brace_lightning.models.meta_init import recompute_nonpersistent_buffers
+
+        # The backbone's parameters are created on the meta device (no memory, no random init),
+        # then replaced by clones of the actor's; non-persistent buffers (rotary frequencies) are
+        # not in the state dict and are rebuilt from the config.
+        with torch.device("meta"):
+            backbone = AutoModel.from_config(copy.deepcopy(actor.config))
+        backbone.load_state_dict(
+            {name: tensor.detach().clone() for name, tensor in state.items()}, assign=True
+        )
+        device = next(actor.parameters()).device
+        recompute_nonpersistent_buffers(backbone, device)
         with torch.random.fork_rng(devices=[]):
             if seed is not None:
                 torch.manual_seed(seed)

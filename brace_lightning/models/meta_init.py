@@ -74,7 +74,7 @@ def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
     return local, slice(offset[0], offset[0] + shape[0])
 
 
-def _recompute_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
+def recompute_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
     """Rebuild the non-persistent buffers (e.g. rotary ``inv_freq``) that ``to_empty`` left
     uninitialised, from a fresh CPU instance of the owning module built from its config."""
     for module in model.modules():
@@ -223,7 +223,7 @@ def _init_value_head(critic: ValueModel, *, seed: int, head_init_std: float) -> 
 def _materialise(model: nn.Module, device: torch.device | str) -> nn.Module:
     device = torch.device(device)
     model.to_empty(device=device)
-    _recompute_nonpersistent_buffers(model, device)
+    recompute_nonpersistent_buffers(model, device)
     return model
 
 

@@ -5,6 +5,7 @@ sampling), :mod:`~brace_lightning.sim.policies` (learning sequences, stale and p
 policies), :mod:`~brace_lightning.sim.critic` (a tabular critic fitted to any value target).
 """
 
+from brace_lightning.sim.closed_loop import ClosedLoopConfig, VersionLog, run_closed_loop
 from brace_lightning.sim.critic import CriticFit, ValueTargetFn, fit_critic
 from brace_lightning.sim.mdp import (
     CountingMDP,
@@ -25,6 +26,7 @@ from brace_lightning.sim.policies import (
 )
 
 __all__ = [
+    "ClosedLoopConfig",
     "CountingMDP",
     "CriticFit",
     "StalePair",
@@ -40,5 +42,7 @@ __all__ = [
     "sample",
     "stale_pair",
     "state_values",
+    "run_closed_loop",
     "uniform_logits",
+    "VersionLog",
 ]

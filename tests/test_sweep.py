@@ -1,0 +1,59 @@
+"""The sweep harness: a tiny grid end to end, and aggregation on results with known intervals."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from brace_lightning.sweep import aggregate, cells, collect, interval, main
+
+
+def test_interval_matches_student_t_by_hand() -> None:
+    # samples 1, 2, 3: mean 2, sd 1, t_{0.975, 2} = 4.303 -> half-width 4.303 / sqrt(3).
+    mean, low, high = interval([1.0, 2.0, 3.0])
+    assert mean == 2.0
+    assert high - mean == pytest.approx(4.303 / math.sqrt(3))
+    assert mean - low == pytest.approx(4.303 / math.sqrt(3))
+    with pytest.raises(ValueError, match="at least 2 values"):
+        interval([1.0])
+
+
+def test_aggregate_pairs_by_seed_and_reports_ties() -> None:
+    reference = {0: 1.0, 1: 5.0, 2: 9.0}  # wide across seeds
+    scores = {
+        "target=ref,S=1": reference,
+        "target=a,S=1": {s: v - 1.0 + 0.01 * s for s, v in reference.items()},  # paired: -1 ± small
+        "target=b,S=1": {0: 1.5, 1: 4.0, 2: 9.6},  # diffs 0.5, -1, 0.6 -> covers 0
+    }
+    rows = {r["setting"]: r for r in aggregate(scores, "ref")}
+    a = rows["target=a,S=1"]
+    assert a["verdict"] == "better"
+    diff_mean, diff_low, diff_high = interval([-1.0, -0.99, -0.98])
+    assert (a["diff"], a["diff_low"], a["diff_high"]) == pytest.approx(
+        (diff_mean, diff_low, diff_high)
+    )
+    assert rows["target=b,S=1"]["verdict"] == "tie"
+    assert rows["target=ref,S=1"]["verdict"] is None
+    # Unpaired, a's interval would overlap ref's: the pairing is what makes it a difference.
+    assert a["low"] < rows["target=ref,S=1"]["high"]
+
+
+def test_tiny_grid_runs_resumes_and_summarizes(tmp_path: Path) -> None:
+    grid = Path(__file__).parent.parent / "sweeps" / "tiny.yaml"
+    spec = yaml.safe_load(grid.read_text())
+    main([str(grid), str(tmp_path), "--workers", "1"])
+    assert len(list(tmp_path.glob("*/log.json"))) == len(cells(spec)) == 12
+    assert (tmp_path / "summary.png").stat().st_size > 0
+    assert (
+        "tie" in (tmp_path / "summary.md").read_text()
+        or "better" in (tmp_path / "summary.md").read_text()
+        or "worse" in (tmp_path / "summary.md").read_text()
+    )
+    first = next(iter(tmp_path.glob("*/log.json")))
+    stamp = first.stat().st_mtime_ns
+    main([str(grid), str(tmp_path)])  # resumes: nothing reruns
+    assert first.stat().st_mtime_ns == stamp
+    assert len(collect(spec, tmp_path)) == 4
