@@ -13,7 +13,7 @@ from brace_lightning.models.microbatch import (
     score_rows,
     widen,
 )
-from brace_lightning.module import BraceModule
+from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from tests.test_trainer import actor_weights, small_run
 
 
@@ -78,7 +78,9 @@ def test_token_budget_step_equals_one_big_batch(tmp_path):
         small_run(tmp_path / "b", "--data.lag=0", "--model.max_tokens_per_micro_batch=40", steps=1)
     )
     a, b = actor_weights(whole), actor_weights(budget)
-    initial = BraceModule(tiny_hidden_size=64, tiny_num_layers=1).actor.state_dict()
+    initial = load_actor(
+        TINY, tokenizer=load_tokenizer(TINY), hidden_size=64, num_layers=1, seed=0
+    ).state_dict()
     assert any(not torch.equal(a[name], initial[name]) for name in a), "the step changed nothing"
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-5, atol=1e-6, msg=name)

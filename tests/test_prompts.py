@@ -183,6 +183,7 @@ def test_readme_takes_your_prompts_and_reward_to_an_exported_hf_folder(tmp_path:
 
     fit = readme_command("fit", "configs/tasks/my_prompts.yaml")
     export = readme_command("export --ckpt_path")
+    validate = readme_command("validate", "--ckpt_path checkpoints/my_prompts/last.ckpt")
     # The README's commands run from the repository root; here a working directory with the same
     # relative paths, so that the checkpoint and the export land in tmp_path.
     for name in ("configs", "examples"):
@@ -194,7 +195,7 @@ def test_readme_takes_your_prompts_and_reward_to_an_exported_hf_folder(tmp_path:
         " --data.prompts_per_step=2 --data.samples_per_prompt=2"
         " --data.engine.init_args.max_new_tokens=4"
     )
-    for command in (fit + brief, export):
+    for command in (fit + brief, export, validate + brief):
         done = subprocess.run(
             ["bash", "-c", command],
             cwd=tmp_path,
@@ -204,6 +205,7 @@ def test_readme_takes_your_prompts_and_reward_to_an_exported_hf_folder(tmp_path:
             timeout=600,
         )
         assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    assert "val/value_gap_mc" in done.stdout  # validate prints its results table
     out = tmp_path / "exported" / "my_prompts"
     tokenizer = AutoTokenizer.from_pretrained(out / "actor")
     actor = AutoModelForCausalLM.from_pretrained(out / "actor")
