@@ -37,6 +37,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.tensor import DTensor
+from transformers import AutoConfig
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
@@ -45,6 +46,7 @@ from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.health import require_finite_logprobs, require_finite_weights
+from brace_lightning.models.meta_init import empty_models, materialise_and_fill
 from brace_lightning.models.microbatch import (
     MicroBatch,
     equalize,
@@ -131,6 +133,9 @@ class BraceModule(pl.LightningModule):
             values stay fp32 (``docs/fsdp.md``).
         fsdp_cpu_offload: under FSDP2, keep parameter shards, gradients and optimizer states in
             host memory (``CPUOffloadPolicy``; slower steps, see ``docs/fsdp.md``).
+        fsdp_meta_init: under FSDP2, keep actor and critic on the meta device until
+            ``configure_model`` shards them, then each rank allocates and reads only its shards
+            (``docs/fsdp.md``).
     """
 
     def __init__(
@@ -158,6 +163,7 @@ class BraceModule(pl.LightningModule):
         activation_checkpointing: bool = False,
         fsdp_mixed_precision: str = "auto",
         fsdp_cpu_offload: bool = False,
+        fsdp_meta_init: bool = False,
     ) -> None:
         super().__init__()
         for name, value, low in (
@@ -207,16 +213,32 @@ class BraceModule(pl.LightningModule):
         self.fsdp_cpu_offload = fsdp_cpu_offload
 
         self.tokenizer = load_tokenizer(actor)
-        self.actor = load_actor(
-            actor,
-            tokenizer=self.tokenizer,
-            hidden_size=tiny_hidden_size,
-            num_layers=tiny_num_layers,
-            seed=seed,
-        )
-        self.critic = ValueModel.from_actor(
-            self.actor, copy_weights=critic_from_actor, seed=seed + 1
-        )
+        # fsdp_meta_init: what configure_model fills the meta-built models from.
+        self._meta_folder: str | None = None
+        self._meta_states: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None = None
+        self._meta_seed = seed + 1
+        if fsdp_meta_init and actor_objective.ewma_decay is not None:
+            raise ValueError(
+                "actor_objective.ewma_decay is not supported with fsdp_meta_init=True (the EWMA "
+                "actor is a full copy of the actor); set one of them off."
+            )
+        if fsdp_meta_init and actor != TINY:  # a checkpoint folder: nothing is read here
+            self._meta_folder = actor
+            self.actor, self.critic = empty_models(AutoConfig.from_pretrained(actor))
+        else:
+            self.actor = load_actor(
+                actor,
+                tokenizer=self.tokenizer,
+                hidden_size=tiny_hidden_size,
+                num_layers=tiny_num_layers,
+                seed=seed,
+            )
+            self.critic = ValueModel.from_actor(
+                self.actor, copy_weights=critic_from_actor, seed=seed + 1
+            )
+            if fsdp_meta_init:  # random: the usual construction's exact values, sliced later
+                self._meta_states = (self.actor.state_dict(), self.critic.state_dict())
+                self.actor, self.critic = empty_models(self.actor.config)
         self.actor.train()  # loaders return eval mode; Lightning expects training mode at fit start
         self.critic.train()
         self.ewma_actor: nn.Module | None = None
@@ -245,6 +267,11 @@ class BraceModule(pl.LightningModule):
         """
         trainer = self._trainer
         if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
+            if trainer is not None and self.hparams.get("fsdp_meta_init"):
+                raise ValueError(
+                    "fsdp_meta_init=True needs trainer.strategy ModelParallelStrategy (FSDP2); got "
+                    f"{type(trainer.strategy).__name__}."
+                )
             if self.activation_checkpointing:
                 raise ValueError(
                     "activation_checkpointing=True needs trainer.strategy ModelParallelStrategy "
@@ -268,6 +295,16 @@ class BraceModule(pl.LightningModule):
                 reduce_dtype=reduce_dtype,
                 cpu_offload=self.fsdp_cpu_offload,
             )
+        if any(p.is_meta for p in self.actor.parameters()):
+            materialise_and_fill(
+                self.actor,
+                self.critic,
+                trainer.strategy.root_device,
+                folder=self._meta_folder,
+                states=self._meta_states,
+                seed=self._meta_seed,
+            )
+            self._meta_states = None
 
     # ------------------------------------------------------------------ optimizers
 

@@ -192,6 +192,9 @@ def run_fixed(args: argparse.Namespace) -> None:
         actor_optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
         critic_optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
         activation_checkpointing=args.activation_checkpointing,
+        # FSDP runs build on the meta device and fill each rank's shards; the tests compare them
+        # with single processes built the usual way.
+        fsdp_meta_init=args.strategy == "fsdp",
     )
     callbacks: list[pl.Callback] = [RankReport(args.out)]
     if args.stop_after:

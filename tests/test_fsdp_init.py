@@ -11,11 +11,13 @@ import copy
 import socket
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -32,8 +34,10 @@ from brace_lightning.models.meta_init import (
     load_sharded_actor,
     load_sharded_critic,
 )
-from brace_lightning.models.parallelize import parallelize
+from brace_lightning.models.parallelize import full_state_dict, parallelize
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
+from brace_lightning.module import BraceModule
+from brace_lightning.objectives import PPOEWMA
 
 #: fp32 on both sides; only the reduction order of the sharded forward can differ.
 ATOL = 1e-5
@@ -208,3 +212,39 @@ def test_from_actor_refuses_a_sharded_actor(mesh: DeviceMesh) -> None:
     parallelize(actor, mesh)
     with pytest.raises(ValueError, match="from_actor got an FSDP-sharded actor"):
         ValueModel.from_actor(actor)
+
+
+def test_module_meta_init_keeps_models_empty_until_sharded_and_refuses_other_strategies(
+    tmp_path: Path,
+) -> None:
+    _save_actor(tmp_path)
+    build_char_tokenizer().save_pretrained(tmp_path)
+    module = BraceModule(actor=str(tmp_path), fsdp_meta_init=True)
+    assert all(p.is_meta for p in module.actor.parameters())
+    assert all(p.is_meta for p in module.critic.parameters())
+    module._trainer = SimpleNamespace(strategy=SimpleNamespace())  # type: ignore[assignment]
+    with pytest.raises(ValueError, match="fsdp_meta_init=True needs trainer.strategy"):
+        module.configure_model()
+    with pytest.raises(ValueError, match="ewma_decay is not supported with fsdp_meta_init=True"):
+        BraceModule(
+            tiny_hidden_size=64,
+            tiny_num_layers=1,
+            fsdp_meta_init=True,
+            actor_objective=PPOEWMA(ewma_decay=0.9),
+        )
+
+
+def test_module_meta_init_fills_shards_with_the_usual_values(mesh: DeviceMesh) -> None:
+    usual = BraceModule(tiny_hidden_size=64, tiny_num_layers=1, seed=2)
+    meta = BraceModule(tiny_hidden_size=64, tiny_num_layers=1, seed=2, fsdp_meta_init=True)
+    strategy = ModelParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    meta._trainer = SimpleNamespace(strategy=strategy)  # type: ignore[assignment]
+    meta._device_mesh = mesh  # type: ignore[attr-defined]
+    meta.configure_model()
+    assert meta.actor.lm_head.weight is meta.actor.model.embed_tokens.weight
+    for name in ("actor", "critic"):
+        want = getattr(usual, name).state_dict()
+        got = full_state_dict(getattr(meta, name))
+        assert list(got) == list(want)
+        assert all(torch.equal(got[k], want[k]) for k in want), name

@@ -270,3 +270,56 @@ def load_sharded_critic(
     fill_from_safetensors(critic, folder, key_map={"backbone.": "model."}, skip=("value_head.",))
     _init_value_head(critic, seed=seed, head_init_std=head_init_std)
     return critic.train()
+
+
+@torch.no_grad()
+def fill_from_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Copy this rank's rows of each full tensor of ``state`` into ``model`` (materialised,
+    sharded or not); for random models built whole from a seed, so that meta construction gives
+    exactly the values of the usual one.
+
+    Raises:
+        ValueError: when a parameter or persistent buffer of ``model`` is missing from ``state``.
+    """
+    for raw_name, tensor in model.state_dict(keep_vars=True).items():
+        name = raw_name.replace(WRAPPER_PREFIX, "")
+        if name not in state:
+            raise ValueError(
+                f"fill_from_state_dict found no tensor {name!r} for {type(model).__name__}; "
+                "expected the state dict of the same architecture."
+            )
+        local, rows = _local_rows(tensor)
+        local.copy_(state[name] if rows is None else state[name][rows])
+
+
+def empty_models(config: PretrainedConfig) -> tuple[nn.Module, ValueModel]:
+    """An actor (causal LM) and a critic of ``config`` on the meta device (no storage)."""
+    with torch.device("meta"):
+        empty_actor = AutoModelForCausalLM.from_config(config)
+        empty_critic = ValueModel(AutoModel.from_config(config), head_init_std=0.0)
+    return empty_actor, empty_critic
+
+
+def materialise_and_fill(
+    actor: nn.Module,
+    critic: ValueModel,
+    device: torch.device | str,
+    *,
+    folder: str | None,
+    states: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None,
+    seed: int,
+) -> None:
+    """Allocate this rank's shards of a meta-built ``actor`` and ``critic`` on ``device`` and fill
+    them: from the safetensors files of ``folder`` (the critic's backbone from the same files,
+    its value head from ``seed``), or from the full ``states`` of a random model."""
+    for model in (actor, critic):
+        _materialise(model, device)
+    if folder is not None:
+        fill_from_safetensors(actor, folder, key_map={})
+        fill_from_safetensors(
+            critic, folder, key_map={"backbone.": "model."}, skip=("value_head.",)
+        )
+        _init_value_head(critic, seed=seed, head_init_std=1e-3)
+    elif states is not None:
+        fill_from_state_dict(actor, states[0])
+        fill_from_state_dict(critic, states[1])
