@@ -154,7 +154,6 @@ def test_console_script_runs_your_prompts_and_reward_from_the_working_directory(
         "--data.samples_per_prompt=2",
         "--data.engine.init_args.max_new_tokens=4",
         "--trainer.limit_train_batches=2",
-        "--trainer.enable_checkpointing=false",
         "--trainer.logger.init_args.save_dir=runs",
     ]
     result = subprocess.run(
@@ -163,6 +162,7 @@ def test_console_script_runs_your_prompts_and_reward_from_the_working_directory(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max_epochs=1` reached" in result.stderr + result.stdout
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints/my_prompts/last.ckpt").is_file()
 
 
 def readme_command(*needles: str) -> str:
