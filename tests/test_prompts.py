@@ -153,7 +153,6 @@ def test_console_script_runs_your_prompts_and_reward_from_the_working_directory(
         "--data.samples_per_prompt=2",
         "--data.engine.init_args.max_new_tokens=4",
         "--trainer.limit_train_batches=2",
-        "--trainer.enable_checkpointing=false",
         "--trainer.logger.init_args.save_dir=runs",
     ]
     result = subprocess.run(
