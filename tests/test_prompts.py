@@ -161,3 +161,4 @@ def test_console_script_runs_your_prompts_and_reward_from_the_working_directory(
     assert result.returncode == 0, result.stderr[-3000:]
     assert "max_epochs=1` reached" in result.stderr + result.stdout
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
+    assert (tmp_path / "checkpoints/my_prompts/last.ckpt").is_file()
