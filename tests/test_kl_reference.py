@@ -19,7 +19,6 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.checkpoint import FileSystemReader
@@ -36,7 +35,8 @@ from brace_lightning.module import BraceModule
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.targets import GAE
-from tests.test_parallel import _cli, _driver, _free_port
+from tests.dist_support import one_process_group
+from tests.test_parallel import _cli, _driver
 from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
 OVERLAY = ["--config", str(CONFIGS / "objectives" / "kl_reference.yaml")]
@@ -411,13 +411,8 @@ def test_kl_on_a_checkpoint_saved_without_a_reference_is_one_sentence(tmp_path: 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A 1-D data-parallel CPU mesh over a 1-rank gloo group."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_process_group():
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_fsdp_shards_the_reference_without_checkpointing_and_copies_the_actor_into_it(
