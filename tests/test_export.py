@@ -139,7 +139,10 @@ def test_vllm_serves_the_exported_actor_with_the_trainer_log_probs(trained, tmp_
     tokenizer = AutoTokenizer.from_pretrained(out)
     params = vllm.SamplingParams(temperature=1.0, max_tokens=8, logprobs=0, seed=0)
     prompts = [vllm.inputs.TokensPrompt(prompt_token_ids=tokenizer(t)["input_ids"]) for t in TEXTS]
-    results = llm.generate(prompts, params, use_tqdm=False)
+    try:
+        results = llm.generate(prompts, params, use_tqdm=False)
+    finally:  # now, not whenever the LLM is garbage-collected (vLLM then tears down process state)
+        llm.llm_engine.engine_core.shutdown()
     actor = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     gap = 0.0
     for result in results:

@@ -8,7 +8,6 @@ The 2-rank case runs two gloo processes (``torch.multiprocessing``).
 from __future__ import annotations
 
 import copy
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -38,15 +37,10 @@ from brace_lightning.models.parallelize import full_state_dict, parallelize
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
+from tests.dist_support import free_port, one_process_group
 
 #: fp32 on both sides; only the reduction order of the sharded forward can differ.
 ATOL = 1e-5
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _save_actor(folder: Path) -> None:
@@ -90,13 +84,8 @@ def _sharded(folder: Path, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor
 
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_process_group():
         yield init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_meta_built_sharded_actor_and_critic_match_the_whole_loaded_folder(
@@ -145,7 +134,7 @@ def _rank_main(rank: int, port: int, folder: str, out: str) -> None:
 def test_two_ranks_load_their_shards_and_match_the_whole_loaded_folder(tmp_path: Path) -> None:
     _save_actor(tmp_path)
     logprobs, values = _reference(tmp_path)
-    mp.spawn(_rank_main, args=(_free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    mp.spawn(_rank_main, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
     for rank in range(2):
         rank_logprobs, rank_values = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(rank_logprobs, logprobs, atol=ATOL, rtol=0)

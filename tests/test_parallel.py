@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,7 +19,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
@@ -43,28 +41,18 @@ from brace_lightning.models.policy import token_logprobs
 from brace_lightning.module import BraceModule, combine_rank_metrics
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
+from tests.dist_support import one_process_group
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "parallel_driver.py"
 CONFIGS = ROOT / "configs"
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def mesh() -> Iterator[DeviceMesh]:
     """A (data_parallel=1, tensor_parallel=1) CPU mesh over a 1-rank gloo group, as Lightning's."""
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1
-    )
-    try:
+    with one_process_group():
         yield init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    finally:
-        dist.destroy_process_group()
 
 
 def tiny_actor(layers: int = 2) -> nn.Module:

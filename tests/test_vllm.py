@@ -7,6 +7,8 @@ its weights permanently; tests that load other weights put the original ones bac
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -150,6 +152,25 @@ def test_greedy_decoding_agrees_with_the_embedded_engine(actor):
         assert all(lp == 0.0 for row in out.logprobs for lp in row)
     finally:
         greedy.close()
+
+
+def test_closing_one_in_process_engine_leaves_the_others_and_the_rng_alone(engine, actor):
+    """A validation engine closing while the training engine lives (vLLM's in-process shutdown
+    tears down process-wide state); building an engine leaves the global random streams alone."""
+    torch.manual_seed(11)
+    want = torch.rand(3)
+    torch.manual_seed(11)
+    second = VLLMEngine(actor, max_new_tokens=4, seed=5, max_model_len=64, dtype="float32")
+    assert torch.equal(torch.rand(3), want)
+    try:
+        assert len(second.generate(PROMPTS).response_ids) == len(PROMPTS)
+    finally:
+        second.close()
+    del second
+    gc.collect()  # vLLM's finalizers run here if close() left them armed
+    out = engine.generate(PROMPTS)
+    assert all(len(row) > 0 for row in out.response_ids)
+    assert _max_logprob_gap(actor, out) < 1e-3
 
 
 def test_argument_and_prompt_validation(engine, actor):

@@ -79,6 +79,7 @@ def train(value_target, name: str) -> str:
         accelerator="cpu",
         max_epochs=1,
         limit_train_batches=STEPS,
+        log_every_n_steps=1,  # one training step is one rollout step; Lightning's default is 50
         logger=pl.loggers.TensorBoardLogger(log_root, name=name),
         callbacks=[SupervisedWarmStart(num_pairs=5000, steps=150, batch_size=64)],
         enable_checkpointing=False,

@@ -88,6 +88,7 @@ def train(value_target, *, max_staleness, lag_mode, steps, name, producer="proce
         accelerator="cpu",
         max_epochs=1,
         limit_train_batches=steps,
+        log_every_n_steps=1,  # one training step is one rollout step; Lightning's default is 50
         logger=pl.loggers.TensorBoardLogger(log_root, name=name),
         callbacks=[SupervisedWarmStart(num_pairs=2000, steps=300, batch_size=64)],
         enable_checkpointing=False,

@@ -23,13 +23,17 @@ variables vLLM's CPU backend needs before it is imported.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import logging
 import os
+import random
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -58,6 +62,10 @@ CPU_ENVIRONMENT: dict[str, str] = {
 }
 
 _SEED_STRIDE = 1_000_003
+
+#: Engines of this process whose vLLM engine core runs in-process (vLLM's CPU backend here): its
+#: shutdown tears down vLLM's process-wide parallel state, so only the last one to close runs it.
+_IN_PROCESS_ENGINES: set[int] = set()
 
 
 def cpu_environment() -> None:
@@ -311,18 +319,23 @@ class VLLMEngine(SeededRequestEngine):
         config = getattr(model, "config", None)
         limit = max_model_len or getattr(config, "max_position_embeddings", None)
         cuda = torch.cuda.is_available()
-        self._llm = vllm.LLM(
-            model=self._folder,
-            skip_tokenizer_init=True,
-            dtype=dtype,
-            seed=self.seed,
-            max_model_len=limit,
-            enforce_eager=enforce_eager or not cuda,
-            tensor_parallel_size=tensor_parallel_size,
-            logprobs_mode="processed_logprobs",
-            **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
-            **(engine_kwargs or {}),
-        )
+        # vLLM seeds the process's global generators when its engine core runs in-process; the
+        # trainer's random streams must not depend on whether (or when) an engine was built.
+        with preserved_global_rng():
+            self._llm = vllm.LLM(
+                model=self._folder,
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                seed=self.seed,
+                max_model_len=limit,
+                enforce_eager=enforce_eager or not cuda,
+                tensor_parallel_size=tensor_parallel_size,
+                logprobs_mode="processed_logprobs",
+                **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+                **(engine_kwargs or {}),
+            )
+        if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
+            _IN_PROCESS_ENGINES.add(id(self))
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
         self._set_version(self._version)
@@ -404,14 +417,50 @@ class VLLMEngine(SeededRequestEngine):
         return result
 
     def close(self) -> None:
-        """Shut the vLLM engine down and delete the saved model folder."""
+        """Shut the vLLM engine down and delete the saved model folder.
+
+        An in-process engine core's shutdown also destroys vLLM's process-wide parallel groups
+        (and the default process group it created), which every other in-process engine still
+        uses — e.g. the training engine while a validation engine closes. While others are open,
+        the shutdown runs without that teardown; the last engine to close runs all of it.
+        """
         llm = getattr(self, "_llm", None)
         if llm is not None:
-            shutdown = getattr(llm.llm_engine, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
             self._llm = None
+            _IN_PROCESS_ENGINES.discard(id(self))
+            # The engine-core client's shutdown; without it vLLM shuts down whenever the client is
+            # garbage-collected, process-wide teardown included.
+            shutdown = getattr(getattr(llm.llm_engine, "engine_core", None), "shutdown", None)
+            if shutdown is not None:
+                with _parallel_state_kept() if _IN_PROCESS_ENGINES else contextlib.nullcontext():
+                    shutdown()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _parallel_state_kept() -> Iterator[None]:
+    """Run an in-process engine core's shutdown without its process-wide teardown
+    (``cleanup_dist_env_and_memory``: parallel groups, default process group)."""
+    from vllm.v1.engine import core
+
+    teardown = core.cleanup_dist_env_and_memory
+    core.cleanup_dist_env_and_memory = gc.collect
+    try:
+        yield
+    finally:
+        core.cleanup_dist_env_and_memory = teardown
+
+
+@contextlib.contextmanager
+def preserved_global_rng() -> Iterator[None]:
+    """Restore Python's, NumPy's and torch's global random states (CPU and CUDA) on exit."""
+    states = (random.getstate(), np.random.get_state())
+    with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
+        try:
+            yield
+        finally:
+            random.setstate(states[0])
+            np.random.set_state(states[1])
 
 
 def sampled_logprobs(
