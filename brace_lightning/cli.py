@@ -18,11 +18,13 @@ import os
 import sys
 from typing import Any
 
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch import LightningDataModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import brace_lightning
 from brace_lightning.cli_errors import check_config_files, check_engine_factory, construction_errors
+from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
 from brace_lightning.run_names import name_tensorboard_run
 
@@ -63,6 +65,16 @@ class BraceCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         parser.link_arguments("model.actor", "data.init_args.tokenizer")
 
+    def instantiate_trainer(self, **kwargs: Any) -> Trainer:
+        """The trainer, with :func:`~brace_lightning.console.rollout_progress_bar` unless the
+        config turns the bar off or brings its own."""
+        config = self._get(self.config_init, "trainer", default={})
+        callbacks = list(kwargs.get("callbacks", config.get("callbacks")) or [])
+        wanted = {**config, **kwargs}.get("enable_progress_bar") is not False
+        if wanted and not any(isinstance(callback, ProgressBar) for callback in callbacks):
+            kwargs["callbacks"] = [*callbacks, rollout_progress_bar()]
+        return super().instantiate_trainer(**kwargs)
+
     def instantiate_classes(self) -> None:
         """Build the objects; a class's ValueError is reported like a parse error (exit 2)."""
         config = (
@@ -79,6 +91,7 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     ``cli_kwargs`` go to :class:`LightningCLI` (e.g. ``trainer_defaults={"callbacks": [...]}``).
     """
     check_config_files(sys.argv[1:] if args is None else args)
+    quiet_lightning()
     kwargs: dict[str, Any] = {
         "save_config_kwargs": {"overwrite": True},
         "auto_configure_optimizers": False,

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import lightning.pytorch as pl
 import pytest
@@ -25,7 +24,14 @@ from brace_lightning.rollout import EmbeddedEngine, vllm_server
 from brace_lightning.rollout.orphans import PARENT_PID_ENV
 from brace_lightning.tasks import ArithmeticTask
 from brace_lightning.tasks.base import Prompt, RewardFunction
-from tests.test_async import ROOT, FakeEngine, assert_conserved, fake_module
+from tests.test_async import (
+    ROOT,
+    FakeEngine,
+    assert_conserved,
+    fake_module,
+    gone,
+    trainer_with_producer,
+)
 from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
 # ---------------------------------------------------------------------------- empty batches (17.2)
@@ -318,21 +324,6 @@ class HangingEngine(EmbeddedEngine):
         return super().generate(*args, **kwargs)
 
 
-def gone(pid: int) -> bool:
-    """The process has exited (a zombie nobody reaped yet counts as gone)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
-    except OSError:  # no /proc: fall back to a signal probe
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        return False
-    return state in ("Z", "X")
-
-
 def wait_gone(pids: list[int], seconds: float) -> float:
     start = time.monotonic()
     while not all(gone(p) for p in pids) and time.monotonic() - start < seconds:
@@ -353,36 +344,13 @@ def test_a_hung_producer_dies_within_5_s_of_a_sigkilled_trainer(tmp_path):
         "--trainer.callbacks+=tests.test_async.PrintProducerPid",
         steps=100,
     )
-    code = f"import torch; torch.set_num_threads(1)\nfrom brace_lightning.cli import run\nrun({args!r})\n"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    trainer = subprocess.Popen(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    pid = None
-    try:
-        lines = []
-        for line in trainer.stdout:
-            lines.append(line)
-            if line.startswith("PRODUCER_PID"):
-                pid = int(line.split()[1])
-                break
-        assert pid is not None, "".join(lines[-20:])
+    with trainer_with_producer(args) as (trainer, pid):
         time.sleep(1.0)  # the producer is now inside its hung second generate call
         assert not gone(pid)
         trainer.kill()  # SIGKILL: no teardown, no exception handler runs in the trainer
         trainer.wait(timeout=10)
         seconds = wait_gone([pid], 10.0)
         assert gone(pid) and seconds < 5.0, f"the producer outlived the trainer by {seconds:.1f} s"
-    finally:
-        if trainer.poll() is None:
-            trainer.kill()
-        if pid is not None and not gone(pid):
-            os.kill(pid, signal.SIGKILL)
 
 
 LAUNCHER = """

@@ -53,7 +53,11 @@ def test_checkpoint_monitor_and_early_stopping_see_the_logged_metrics(tmp_path: 
     ]  # fmt: skip
     for name in new:
         assert [step for step, _ in scalars[name]] == [1, 2, 3], name
+    # tokens/s of the previous batch, trainer-side and end to end (none for the first batch)
+    for name in ("data/train_tokens_per_s", "data/tokens_per_s"):
+        assert [step for step, _ in scalars[name]] == [2, 3], name
     last = {name: points[-1][1] for name, points in scalars.items()}
+    assert last["data/train_tokens_per_s"] > last["data/tokens_per_s"] > 0  # generation adds time
     assert last["lr/actor"] == pytest.approx(1e-4) and last["lr/critic"] == pytest.approx(1e-3)
     assert last["rollout/score_min"] <= last["rollout/reward"] <= last["rollout/score_max"]
     assert last["rollout/advantage_min"] <= last["rollout/advantage_max"]

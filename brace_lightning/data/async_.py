@@ -65,8 +65,10 @@ from brace_lightning.data.sync import (
     gather_rank_states,
     rank_state,
     seed_for_rank,
+    skip_validation_without_batches,
     validation_loader,
 )
+from brace_lightning.data.throughput import TokenThroughput
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import full_state_dict, is_sharded, unsharded_copy
 from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
@@ -211,13 +213,13 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self._first_return: float | None = None  # idle fractions count from the first batch on
         self._trainer_idle_total = 0.0
         self._producer_idle_total = 0.0
-        self._last_return: float | None = None
-        self._last_tokens = 0
+        self._throughput = TokenThroughput()
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, stage: str) -> None:
         seed_for_rank(self)
+        skip_validation_without_batches(self, stage)
         # Spawn early so that the producer's imports overlap with the rest of the fit start-up (the
         # warm start); its weights are sent with the first request, after on_fit_start.
         if stage == "fit" and self.producer == "process" and self._handle is None:
@@ -330,7 +332,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             ("init", self.trainer_version, self._slots.tensors, slot, self._engine_state)
         )
         self._started = True
-        self._first_return = self._last_return = None
+        self._first_return = None
+        self._throughput.reset()
         self._trainer_idle_total = self._producer_idle_total = 0.0
 
     def _trainer_actor(self, *, required: bool = True) -> nn.Module | None:
@@ -554,12 +557,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             "producer_idle_fraction": min(1.0, self._producer_idle_total / elapsed),
             **{f"count/{name}": float(value) for name, value in self.counters.items()},
         }
-        if self._last_return is not None:
-            busy = max(entered - self._last_return, 1e-9)
-            info["train_tokens_per_s"] = self._last_tokens / busy
+        info.update(self._throughput.hand_out(entered, batch.num_actions))
         batch.info.update(info)
-        self._last_return = time.monotonic()
         if self._first_return is None:
-            self._first_return = self._last_return
-        self._last_tokens = batch.num_actions
+            self._first_return = time.monotonic()
         return batch

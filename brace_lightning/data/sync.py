@@ -14,6 +14,7 @@ generated = trained + dropped (by reason); this module buffers nothing between s
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.empty import EmptyBatchGuard
+from brace_lightning.data.throughput import TokenThroughput
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import unsharded_copy
 from brace_lightning.rollout.embedded import EmbeddedEngine
@@ -94,6 +96,15 @@ class _ValidationRollouts(IterableDataset):
             engine.close()
 
 
+def skip_validation_without_batches(datamodule: Any, stage: str) -> None:
+    """With ``val_batches=0`` a ``fit`` has no validation: tell the trainer so
+    (``limit_val_batches = 0``, called from the data module's ``setup``) instead of handing it an
+    empty loader, for which Lightning warns that the loader has zero length on every rank."""
+    trainer = datamodule.trainer
+    if stage == "fit" and datamodule.val_batches == 0 and trainer is not None:
+        trainer.limit_val_batches = 0
+
+
 def validation_loader(datamodule: pl.LightningDataModule, num_batches: int, seed: int) -> Any:
     """The ``val_dataloader`` of both rollout data modules: ``num_batches`` on-policy batches
     (an empty list when 0, which Lightning treats as "no validation")."""
@@ -150,6 +161,7 @@ class RolloutDataModule(pl.LightningDataModule):
     ) -> None:
         super().__init__()
         self._empty = EmptyBatchGuard(max_consecutive_empty_batches)
+        self._throughput = TokenThroughput()
         for name, value, low in (
             ("prompts_per_step", prompts_per_step, 1),
             ("samples_per_prompt", samples_per_prompt, 1),
@@ -197,6 +209,7 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def setup(self, stage: str) -> None:
         seed_for_rank(self)
+        skip_validation_without_batches(self, stage)
 
     def teardown(self, stage: str) -> None:
         if self.engine is not None:
@@ -282,8 +295,10 @@ class RolloutDataModule(pl.LightningDataModule):
     def next_batch(self) -> RolloutBatch:
         """The next rollout batch with a sample to train on; empty ones are skipped and counted
         (:class:`~brace_lightning.data.empty.EmptyBatchGuard`)."""
+        requested_at = time.monotonic()
         while self._empty.skip(batch := self._generate_batch(), self.counters):
             pass
+        batch.info.update(self._throughput.hand_out(requested_at, batch.num_actions))
         return batch
 
     def _generate_batch(self) -> RolloutBatch:

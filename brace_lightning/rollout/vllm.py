@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import random
 import shutil
@@ -75,9 +76,66 @@ def cpu_environment() -> None:
         os.environ.setdefault(key, value)
 
 
+#: vLLM warnings that follow from how the engines run vLLM on purpose, or from its CPU backend
+#: tripping over itself, by the logger that emits them; dropped (by exact message start) unless
+#: ``VLLM_LOGGING_LEVEL`` is set. vLLM replaces its handlers when an engine starts, so the filters
+#: sit on these loggers.
+EXPECTED_VLLM_WARNINGS: dict[str, tuple[str, ...]] = {
+    # skip_tokenizer_init=True: the engines send token ids and pass stop tokens per request.
+    "vllm.renderers.base": (
+        "Chat template warmup failed",
+        "Using None for EOS token id because tokenizer is not initialized",
+    ),
+    # In-place weight sync: rotary embeddings have no weights to load.
+    "vllm.model_executor.model_loader.reload.layerwise": (
+        "RotaryEmbedding: Failed to load weights",
+    ),
+    # In-process engine core: the engines restore the global random state after building vLLM.
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    # CPU: enforce_eager and TORCH_COMPILE_DISABLE are this project's CPU settings.
+    "vllm.config.vllm": (
+        "Enforce eager set, disabling torch.compile",
+        "TORCH_COMPILE_DISABLE is set, disabling torch.compile",
+        "Inductor compilation was disabled by user settings",
+    ),
+    # CPU: vLLM's own thread-count helper calling the torch.set_num_threads it replaced.
+    "vllm.v1.worker.cpu_worker": (
+        "CPU backend doesn't allow to use `torch.set_num_threads` after the thread binding",
+    ),
+}
+
+
+class _DropMessages(logging.Filter):
+    """Drops records whose message starts with one of ``messages``."""
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith(self.messages)
+
+
+def quiet_vllm_logging() -> None:
+    """vLLM at warning level without :data:`EXPECTED_VLLM_WARNINGS`, unless the user set
+    ``VLLM_LOGGING_LEVEL`` (then vLLM says everything at that level). Call before importing vllm;
+    idempotent."""
+    if "VLLM_LOGGING_LEVEL" in os.environ:
+        return
+    os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
+    for name, messages in EXPECTED_VLLM_WARNINGS.items():
+        logging.getLogger(name).addFilter(_DropMessages(messages))
+
+
 def import_vllm() -> Any:
-    """Import ``vllm`` (after :func:`cpu_environment`), or raise one sentence saying how to install it."""
+    """Import ``vllm`` (after :func:`cpu_environment`), or raise one sentence saying how to install it.
+
+    vLLM logs at warning level, without :data:`EXPECTED_VLLM_WARNINGS`, unless the user set
+    ``VLLM_LOGGING_LEVEL`` (e.g. ``VLLM_LOGGING_LEVEL=INFO`` shows everything vLLM says); see
+    :func:`quiet_vllm_logging`.
+    """
     cpu_environment()
+    quiet_vllm_logging()
     try:
         import vllm
     except ImportError as error:

@@ -12,7 +12,6 @@ expressions are interpreted.
 
 from __future__ import annotations
 
-import json
 import re
 from decimal import Decimal, InvalidOperation
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from brace_lightning.tasks.base import Prompt, PromptList, RewardFunction
+from brace_lightning.tasks.jsonl import read_jsonl, shown
 
 DEFAULT_TEMPLATE = "Question: {question}\nAnswer:"
 _NUMBER = re.compile(r"-?\$?\d[\d,]*(?:\.\d+)?")
@@ -80,25 +80,15 @@ def load_gsm8k_jsonl(path: str | Path, *, prompt_template: str = DEFAULT_TEMPLAT
     if not path.is_file():
         raise FileNotFoundError(f"GSM8K file {str(path)!r} does not exist.")
     prompts = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{where}: invalid JSON ({error.msg}); expected one object per line."
-                ) from None
-            if not isinstance(record, dict) or not all(
-                isinstance(record.get(key), str) for key in ("question", "answer")
-            ):
-                raise ValueError(
-                    f"{where}: got {line.strip()[:80]!r}; expected an object with string fields "
-                    "'question' and 'answer'."
-                )
-            prompts.append(_to_prompt(record["question"], record["answer"], prompt_template, where))
+    for where, record in read_jsonl(path):
+        if not isinstance(record, dict) or not all(
+            isinstance(record.get(key), str) for key in ("question", "answer")
+        ):
+            raise ValueError(
+                f"{where}: got {shown(record)}; expected an object with string fields "
+                "'question' and 'answer'."
+            )
+        prompts.append(_to_prompt(record["question"], record["answer"], prompt_template, where))
     return prompts
 
 

@@ -21,12 +21,12 @@ turn and ``system_prompt`` the system turn (``chat_template: false`` turns this 
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from brace_lightning.tasks.base import Prompt, PromptList
+from brace_lightning.tasks.jsonl import read_jsonl
 
 
 def record_to_prompt(
@@ -131,22 +131,7 @@ class JSONLPrompts(_MappedPrompts):
         file = Path(path)
         if not file.is_file():
             raise ValueError(f"JSONLPrompts got path={path!r}; expected an existing JSONL file.")
-        self._fill(_read_jsonl(file), f"JSONL file {path!r}")
-
-
-def _read_jsonl(path: Path) -> list[tuple[str, Mapping[str, Any]]]:
-    records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                records.append((f"{path}:{number}", json.loads(line)))
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path}:{number}: invalid JSON ({error.msg}); expected one object per line."
-                ) from None
-    return records
+        self._fill(read_jsonl(file), f"JSONL file {path!r}")
 
 
 class HFPrompts(_MappedPrompts):

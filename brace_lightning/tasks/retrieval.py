@@ -28,7 +28,6 @@ articles a/an/the removed, whitespace collapsed) of the last ``<answer>`` agains
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import string
@@ -39,6 +38,7 @@ from pathlib import Path
 
 from brace_lightning.tasks.base import Prompt, PromptList
 from brace_lightning.tasks.env import ToolEnvironment, last_call, strip_blocks
+from brace_lightning.tasks.jsonl import read_jsonl, shown
 
 DEFAULT_QA_TEMPLATE = "Question: {question}\n"
 _TOKEN = re.compile(r"[a-z0-9]+")
@@ -126,19 +126,10 @@ def _read_jsonl(path: Path, what: str) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"{what} file {str(path)!r} does not exist.")
     records = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(
-                    f"{path}:{number}: invalid JSON ({error.msg}); expected one object per line."
-                ) from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: got {line.strip()[:80]!r}; expected an object.")
-            records.append(record)
+    for where, record in read_jsonl(path):
+        if not isinstance(record, dict):
+            raise ValueError(f"{where}: got {shown(record)}; expected an object.")
+        records.append(record)
     return records
 
 

@@ -1,0 +1,92 @@
+"""A quiet console: what Lightning and vLLM print that says nothing about a brace_lightning run.
+
+Each silenced message is named with its cause; nothing is filtered by category or by package.
+
+* Lightning's "💡 Tip" advertisements for its hosted services (two per ``fit``) are dropped from
+  Lightning's rank-zero logger (:func:`quiet_lightning`, installed by the CLI).
+* Two warnings about the ``dataloader_iter`` argument of ``training_step``: the module takes exactly
+  one rollout batch from the iterator per step (a step is one PPO update), so ``batch_idx`` and the
+  loop's counters are right — the case the warnings say is safe.
+* ``isinstance(treespec, LeafSpec)`` is deprecated: Lightning's own ``_pytree`` helper on the torch
+  version this project pins; nothing a user can change.
+* The progress bar's ``v_num`` (the log folder's number, formatted as a metric): the
+  :func:`rollout_progress_bar` shows the rollout metrics only (reward, KL(µ‖π), staleness,
+  tokens/s, as :mod:`brace_lightning.step_metrics` logs them to the bar).
+
+The empty validation loader's "Total length of `list` across ranks is zero" is avoided at its
+cause (the data modules set ``limit_val_batches = 0`` when ``val_batches`` is 0), and vLLM's own
+messages are handled in :mod:`brace_lightning.rollout.vllm`.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
+from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
+
+#: Messages (regular expressions matched at the start) of harmless Lightning warnings, see above.
+HARMLESS_WARNINGS = (
+    r"You are using the `dataloader_iter` step flavor",
+    r"Found `dataloader_iter` argument in the `training_step`",
+    r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+)
+
+#: The loggers Lightning's ``rank_zero_info`` writes to (fabric's and pytorch's).
+LIGHTNING_RANK_ZERO_LOGGERS = (
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+)
+
+
+def silence_harmless_warnings() -> None:
+    """Ignore exactly the :data:`HARMLESS_WARNINGS` messages (idempotent)."""
+    for message in HARMLESS_WARNINGS:
+        warnings.filterwarnings("ignore", message=message)
+
+
+class _DropTips(logging.Filter):
+    """Drops Lightning's "💡 Tip:" advertisements."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+_DROP_TIPS = _DropTips()
+
+
+def quiet_lightning() -> None:
+    """Drop Lightning's tips from its rank-zero loggers and silence the harmless warnings
+    (idempotent; the CLI calls it before building the trainer)."""
+    for name in LIGHTNING_RANK_ZERO_LOGGERS:
+        logger = logging.getLogger(name)
+        if _DROP_TIPS not in logger.filters:
+            logger.addFilter(_DROP_TIPS)
+    silence_harmless_warnings()
+
+
+def _without_version(metrics: dict[str, Any]) -> dict[str, Any]:
+    metrics.pop("v_num", None)
+    return metrics
+
+
+class RolloutRichProgressBar(RichProgressBar):
+    """Lightning's rich progress bar without ``v_num``."""
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return _without_version(super().get_metrics(trainer, pl_module))
+
+
+class RolloutTQDMProgressBar(TQDMProgressBar):
+    """Lightning's tqdm progress bar without ``v_num``."""
+
+    def get_metrics(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> dict[str, Any]:
+        return _without_version(super().get_metrics(trainer, pl_module))
+
+
+def rollout_progress_bar() -> ProgressBar:
+    """The bar Lightning would pick (rich when installed, else tqdm), without ``v_num``."""
+    return RolloutRichProgressBar() if _RICH_AVAILABLE else RolloutTQDMProgressBar()
