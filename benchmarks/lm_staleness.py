@@ -14,8 +14,9 @@ A cell writes its TensorBoard events under ``OUT/cells/lag<S>/<target>/seed<N>/`
 exits cleanly, a ``done.json`` marker; cells with a marker are skipped, so a rerun resumes. Cells run
 one at a time by default (``--workers``), each with one torch thread (``OMP_NUM_THREADS=1``).
 
-Aggregation, per (S, target) over seeds: the final-window mean of ``rollout/reward`` (higher is
-better), the last ``val/reward`` and the last ``val/value_gap_mc`` (lower is better), each with its
+Aggregation, per (S, target) over seeds: the first- and final-window means of ``rollout/reward``
+(higher is better), the last ``val/reward`` and the last ``val/value_gap_mc`` (lower is better; the
+critic's mean |V − G| on fresh on-policy rollouts), each with its
 mean and 95% Student-t interval (``brace_lightning.sweep.interval``), and its difference to GAE at
 the same S paired seed by seed; a difference whose interval covers 0 is a tie. Writes
 ``OUT/summary.md`` (markdown table) and ``OUT/curves.png`` (reward and value gap vs step, one panel
@@ -31,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -57,8 +59,14 @@ TARGETS: dict[str, list[str]] = {
     ],
 }
 
-#: (tag, higher is better) of the scores in the table.
-METRICS = (("rollout/reward", True), ("val/reward", True), ("val/value_gap_mc", False))
+#: Table columns: (name, tag, window, higher is better). Window "first"/"final": the mean of the first
+#: or last ``--window`` values of the series; "last": its last value (a validation pass).
+METRICS = (
+    ("reward, first window", "rollout/reward", "first", True),
+    ("reward, final window", "rollout/reward", "final", True),
+    ("val/reward, last", "val/reward", "last", True),
+    ("val/value_gap_mc, last", "val/value_gap_mc", "last", False),
+)
 
 
 @dataclass(frozen=True)
@@ -164,12 +172,14 @@ def run_cell(
     """Run ``cell`` unless its marker exists; returns ``"skipped"``, ``"done"`` or ``"failed"``.
 
     ``steps`` rollout steps run as ``steps // every`` epochs of ``every`` steps (validation at
-    each epoch end). A failed run leaves its ``stderr.txt`` and no marker, so a rerun retries it.
+    each epoch end). A failed run leaves its ``stderr.txt`` and no marker, so a rerun retries it
+    (after deleting its partial events).
     """
     folder = cell.folder(out)
     marker = folder / "done.json"
     if marker.exists():
         return "skipped"
+    shutil.rmtree(folder / "tb", ignore_errors=True)  # events of an earlier, failed try
     folder.mkdir(parents=True, exist_ok=True)
     args = command(cell, out, steps=steps, every=every, recipe=recipe, extra=extra)
     start = time.monotonic()
@@ -197,11 +207,13 @@ def read_cell(folder: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
-def final_score(series: list[tuple[int, float]], window: int) -> float:
-    """Mean of the last ``window`` values of ``series`` (all of them if it is shorter)."""
+def window_mean(series: list[tuple[int, float]], window: int, *, first: bool = False) -> float:
+    """Mean of the last (``first``: the first) ``window`` values of ``series``, ordered by step
+    (all of them if it is shorter)."""
     if not series:
-        raise ValueError("final_score got an empty series.")
-    values = [v for _, v in sorted(series)][-window:]
+        raise ValueError("window_mean got an empty series.")
+    values = [v for _, v in sorted(series)]
+    values = values[:window] if first else values[-window:]
     return sum(values) / len(values)
 
 
@@ -259,7 +271,7 @@ def _cell_text(row: dict[str, float | int | str] | None, digits: int) -> str:
 def table(summaries: dict[str, dict[tuple[int, str], dict[str, float | int | str]]]) -> str:
     """Markdown table: one row per (lag, target), one column per metric of :data:`METRICS`."""
     keys = sorted({key for rows in summaries.values() for key in rows})
-    names = [tag for tag, _ in METRICS]
+    names = [name for name, _, _, _ in METRICS]
     lines = [
         "| S | target | seeds | " + " | ".join(names) + " |",
         "|---|---|---|" + "---|" * len(names),
@@ -329,7 +341,7 @@ def aggregate_grid(
 ) -> tuple[str, list[Cell]]:
     """Read the finished cells, write ``summary.md`` and ``curves.png``; returns the table and the
     cells that have no marker (missing)."""
-    scores: dict[str, dict[tuple[int, str], dict[int, float]]] = {tag: {} for tag, _ in METRICS}
+    scores: dict[str, dict[tuple[int, str], dict[int, float]]] = {m[0]: {} for m in METRICS}
     curves: dict[tuple[int, str], dict[int, dict[str, list[tuple[int, float]]]]] = {}
     missing = []
     for cell in cells:
@@ -338,12 +350,12 @@ def aggregate_grid(
             continue
         series = read_cell(cell.folder(out))
         curves.setdefault((cell.lag, cell.target), {})[cell.seed] = series
-        for tag, _ in METRICS:
+        for name, tag, which, _ in METRICS:
             if series.get(tag):
-                width = window if tag.startswith("rollout/") else 1
-                by_seed = scores[tag].setdefault((cell.lag, cell.target), {})
-                by_seed[cell.seed] = final_score(series[tag], width)
-    summaries = {tag: summarize(scores[tag], higher_is_better=higher) for tag, higher in METRICS}
+                width = 1 if which == "last" else window
+                by_seed = scores[name].setdefault((cell.lag, cell.target), {})
+                by_seed[cell.seed] = window_mean(series[tag], width, first=which == "first")
+    summaries = {m[0]: summarize(scores[m[0]], higher_is_better=m[3]) for m in METRICS}
     text = table(summaries)
     (out / "summary.md").write_text(text + "\n")
     if curves:

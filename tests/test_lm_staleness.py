@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from benchmarks import lm_staleness
-from benchmarks.lm_staleness import Cell, final_score, summarize
+from benchmarks.lm_staleness import Cell, summarize, window_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,16 +43,33 @@ def test_summarize_single_seed_has_no_interval() -> None:
     assert "diff" not in rows[(0, "vtrace")]  # one paired seed: no interval, no verdict
 
 
-def test_final_score_window() -> None:
+def test_window_mean() -> None:
     series = [(3, 4.0), (0, 1.0), (1, 2.0), (2, 3.0)]
-    assert final_score(series, 2) == 3.5  # the last two steps, by step
-    assert final_score(series, 10) == 2.5
+    assert window_mean(series, 2) == 3.5  # the last two steps, by step
+    assert window_mean(series, 2, first=True) == 1.5
+    assert window_mean(series, 10) == 2.5
+
+
+def test_targets_differ_only_in_their_target_arguments(tmp_path: Path) -> None:
+    recipe = ROOT / "configs" / "evidence" / "long_arith.yaml"
+    commands = {}
+    for target, selected in lm_staleness.TARGETS.items():
+        args = lm_staleness.command(
+            Cell(8, target, 1), tmp_path, steps=40, every=20, recipe=recipe, extra=[]
+        )
+        assert args[6 : 6 + len(selected)] == selected
+        rest = args[:6] + args[6 + len(selected) :]
+        assert f"--trainer.logger.init_args.save_dir={Cell(8, target, 1).folder(tmp_path)}" in rest
+        commands[target] = [a for a in rest if "save_dir=" not in a]
+        assert "--data.init_args.lag=8" in args and "--trainer.max_epochs=2" in args
+    first = commands.pop("gae")
+    assert all(other == first for other in commands.values())  # same recipe, seeds and lag
+    assert "--model.value_target.init_args.mc_tail=false" in lm_staleness.TARGETS["brace_notail"]
 
 
 def tiny_recipe(path: Path) -> Path:
-    """The long-arithmetic recipe cut to seconds: a 2-step warm start, 2 prompts x 2, 6 tokens."""
+    """The long-arithmetic recipe cut to seconds: 2 prompts x 2 samples of at most 6 tokens."""
     recipe = yaml.safe_load((ROOT / "configs" / "evidence" / "long_arith.yaml").read_text())
-    recipe["trainer"]["callbacks"][0]["init_args"].update(num_pairs=8, steps=2, batch_size=4)
     init = recipe["data"]["init_args"]
     init.update(prompts_per_step=2, samples_per_prompt=2, val_batches=1)
     init["task"]["init_args"].update(num_operands=2)
@@ -62,10 +79,22 @@ def tiny_recipe(path: Path) -> Path:
     return path
 
 
+def fake_warm_start(out: Path) -> None:
+    """A random tiny actor where the runner looks for the shared warm start (saves one ``fit``)."""
+    from brace_lightning.models import load_tokenizer
+    from brace_lightning.models.sources import load_actor
+
+    tokenizer = load_tokenizer("tiny-char")
+    actor = load_actor("tiny-char", tokenizer=tokenizer, hidden_size=32, num_layers=1)
+    actor.save_pretrained(lm_staleness.warm_actor(out))
+    tokenizer.save_pretrained(lm_staleness.warm_actor(out))
+
+
 @pytest.mark.slow
 def test_grid_runs_resumes_and_tabulates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     recipe = tiny_recipe(tmp_path / "tiny.yaml")
     out = tmp_path / "grid"
+    fake_warm_start(out)
     argv = ["--out", str(out), "--config", str(recipe), "--seeds", "0", "--lags", "0", "1"]
     argv += ["--targets", "gae", "--steps", "2", "--every", "1", "--window", "2"]
     lm_staleness.main(argv)
