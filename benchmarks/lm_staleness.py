@@ -1,8 +1,10 @@
 """Staleness grid on a language model: fixed lag S × value target × seed, then paired aggregation.
 
 Each cell is one ``brace-lightning fit`` of a recipe (default ``configs/evidence/long_arith.yaml``)
-with ``--seed_everything N`` (and the model, prompt and engine seeds set to N, so seeds differ in
-initialisation, prompts and sampling noise), ``--data.init_args.lag S`` and one value target. Every
+with ``--seed_everything N``, ``--data.init_args.lag S`` and one value target. The recipe's
+``SupervisedWarmStart`` runs once (:func:`warm_start`, into ``OUT/warm_start``) and every cell starts
+from that actor; the model, prompt and engine seeds are set to N, so seeds differ in the critic's
+value head, the prompts, the sampling noise and the minibatch order, not in the warm start. Every
 target runs with the recipe's hyperparameters; only the target class differs:
 
 - ``gae``: ``configs/targets/gae.yaml`` (λ = 1)
@@ -23,7 +25,7 @@ the same S paired seed by seed; a difference whose interval covers 0 is a tie. W
 per S, mean with a shaded interval)::
 
     .venv/bin/python -m benchmarks.lm_staleness --out /work/lm_runs/grid --seeds 0 1 2 \\
-        --lags 0 8 4 --steps 200 --workers 1
+        --lags 0 8 4 --steps 200 --every 20 --workers 1
 """
 
 from __future__ import annotations
@@ -83,11 +85,12 @@ class Cell:
 
 
 def grid(lags: Sequence[int], targets: Sequence[str], seeds: Sequence[int]) -> list[Cell]:
-    """Cells in run order: lag by lag (the order given), then seed, then target.
+    """Cells in run order: seed by seed, then lag, then target.
 
-    Seeds before targets, so an interrupted grid holds whole seeds (every target) of its first lags.
+    Seeds outermost, so a grid stopped early holds whole seeds (every lag and target); run a
+    smaller ``--lags`` first to give those lags priority (finished cells are skipped later).
     """
-    return [Cell(lag, target, seed) for lag in lags for seed in seeds for target in targets]
+    return [Cell(lag, target, seed) for seed in seeds for lag in lags for target in targets]
 
 
 def command(
@@ -400,7 +403,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 recipe=args.config,
                 extra=args.extra,
             )
-            print(f"{cell}: {status} in {time.monotonic() - start:.0f} s", flush=True)
+            seconds = time.monotonic() - start
+            print(f"{time.strftime('%H:%M:%S')} {cell}: {status} in {seconds:.0f} s", flush=True)
 
         with ThreadPoolExecutor(args.workers) as pool:
             list(pool.map(one, cells))
