@@ -159,6 +159,7 @@ def warm_start(out: Path, recipe: Path, extra: Sequence[str]) -> None:
         "--model.critic_warmup_steps=1",
         "--data.init_args.val_batches=0",
         "--trainer.logger=false",
+        f"--trainer.default_root_dir={folder}",  # where the CLI saves its config.yaml
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_checkpointing=false",
         "--trainer.callbacks+=brace_lightning.export.ExportOnFitEnd",
