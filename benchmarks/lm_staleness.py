@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from brace_lightning.sweep import interval
 
@@ -61,13 +62,14 @@ TARGETS: dict[str, list[str]] = {
     ],
 }
 
-#: Table columns: (name, tag, window, higher is better). Window "first"/"final": the mean of the first
-#: or last ``--window`` values of the series; "last": its last value (a validation pass).
+#: Table columns: (name, tag, window, higher is better; None: neither). Window "first"/"final": the
+#: mean of the first or last ``--window`` values of the series; "last": its last value (validation).
 METRICS = (
     ("reward, first window", "rollout/reward", "first", True),
     ("reward, final window", "rollout/reward", "final", True),
     ("val/reward, last", "val/reward", "last", True),
     ("val/value_gap_mc, last", "val/value_gap_mc", "last", False),
+    ("response length, final window", "rollout/response_length", "final", None),
 )
 
 
@@ -78,6 +80,9 @@ class Cell:
     lag: int
     target: str
     seed: int
+
+    def __str__(self) -> str:
+        return f"lag{self.lag}/{self.target}/seed{self.seed}"
 
     def folder(self, out: Path) -> Path:
         """Where the cell writes its events and its ``done.json`` marker."""
@@ -229,14 +234,14 @@ def _interval_or_point(values: list[float]) -> tuple[float, float, float]:
 
 
 def summarize(
-    scores: dict[tuple[int, str], dict[int, float]], *, higher_is_better: bool
+    scores: dict[tuple[int, str], dict[int, float]], *, higher_is_better: bool | None
 ) -> dict[tuple[int, str], dict[str, float | int | str]]:
     """Per (lag, target): mean and 95% interval over seeds, and the difference to GAE.
 
     The difference to the reference target (``gae``) at the same lag is paired seed by seed over
     the seeds both have; with fewer than 2 such seeds it has no interval and no verdict. A
     difference whose interval covers 0 is a ``tie``; otherwise ``better`` or ``worse`` in the
-    direction ``higher_is_better`` gives.
+    direction ``higher_is_better`` gives (``higher`` or ``lower`` when it is None).
     """
     rows: dict[tuple[int, str], dict[str, float | int | str]] = {}
     for (lag, target), by_seed in sorted(scores.items()):
@@ -251,6 +256,8 @@ def summarize(
                 d, d_low, d_high = interval(diffs)
                 if d_low <= 0.0 <= d_high:
                     verdict = "tie"
+                elif higher_is_better is None:
+                    verdict = "higher" if d > 0 else "lower"
                 else:
                     verdict = "better" if (d > 0) == higher_is_better else "worse"
                 row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
@@ -296,44 +303,53 @@ def _smooth(values: list[float], width: int) -> list[float]:
     return out
 
 
+def _plot_curve(ax: Any, series: list[list[tuple[int, float]]], width: int, label: str) -> None:
+    """One target's curve on ``ax``: mean over seeds (after a ``width``-step moving mean) with its
+    95% interval shaded (with 2 seeds or more), over the steps every seed has."""
+    length = min(len(s) for s in series)
+    steps = [step for step, _ in sorted(series[0])[:length]]
+    values = [_smooth([v for _, v in sorted(s)][:length], width) for s in series]
+    stats = [_interval_or_point([v[i] for v in values]) for i in range(length)]
+    (line,) = ax.plot(steps, [mean for mean, _, _ in stats], label=label)
+    if len(values) >= 2:
+        lows, highs = [low for _, low, _ in stats], [high for _, _, high in stats]
+        ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
+
+
 def plot(
     curves: dict[tuple[int, str], dict[int, dict[str, list[tuple[int, float]]]]],
     path: Path,
     *,
     smooth: int,
 ) -> None:
-    """PNG: reward (moving average over ``smooth`` steps) and ``val/value_gap_mc`` vs step, one
-    column per lag, one line per target: mean over seeds with its 95% interval shaded."""
+    """PNG, one column per lag, one line per target: reward and response length (moving mean over
+    ``smooth`` steps) and ``val/value_gap_mc`` vs rollout step; mean over seeds, 95% interval."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    rows = (
+        ("rollout/reward", smooth, f"rollout/reward ({smooth}-step moving mean)"),
+        ("val/value_gap_mc", 1, "val/value_gap_mc (on-policy |V − G|)"),
+        ("rollout/response_length", smooth, f"response length ({smooth}-step moving mean)"),
+    )
     lags = sorted({lag for lag, _ in curves})
     targets = [t for t in TARGETS if any(t == target for _, target in curves)]
-    fig, axes = plt.subplots(2, len(lags), figsize=(4.5 * len(lags), 7), squeeze=False)
+    fig, axes = plt.subplots(
+        len(rows), len(lags), figsize=(4.5 * len(lags), 3.2 * len(rows)), squeeze=False
+    )
     for col, lag in enumerate(lags):
         for target in targets:
-            by_seed = curves.get((lag, target), {})
-            for row, (tag, width) in enumerate(
-                (("rollout/reward", smooth), ("val/value_gap_mc", 1))
-            ):
-                series = [s[tag] for s in by_seed.values() if s.get(tag)]
-                if not series:
-                    continue
-                length = min(len(s) for s in series)
-                steps = [step for step, _ in sorted(series[0])[:length]]
-                values = [_smooth([v for _, v in sorted(s)][:length], width) for s in series]
-                stats = [_interval_or_point([v[i] for v in values]) for i in range(length)]
-                ax = axes[row][col]
-                (line,) = ax.plot(steps, [m for m, _, _ in stats], label=target)
-                if len(values) >= 2:
-                    lows, highs = [lo for _, lo, _ in stats], [hi for _, _, hi in stats]
-                    ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
+            by_seed = curves.get((lag, target), {}).values()
+            for row, (tag, width, _) in enumerate(rows):
+                series = [s[tag] for s in by_seed if s.get(tag)]
+                if series:
+                    _plot_curve(axes[row][col], series, width, target)
         axes[0][col].set_title(f"lag S = {lag}")
-        axes[0][col].set_ylabel(f"rollout/reward ({smooth}-step moving mean)")
-        axes[1][col].set_ylabel("val/value_gap_mc")
-        axes[1][col].set_xlabel("rollout step")
+        axes[-1][col].set_xlabel("rollout step")
+        for row, (_, _, label) in enumerate(rows):
+            axes[row][col].set_ylabel(label)
     axes[0][0].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
