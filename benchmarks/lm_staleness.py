@@ -265,33 +265,39 @@ def summarize(
     return rows
 
 
-def _cell_text(row: dict[str, float | int | str] | None, digits: int) -> str:
-    if row is None:
-        return "—"
-    text = f"{row['mean']:.{digits}f}"
-    if not math.isnan(float(row["low"])):
-        text += f" [{row['low']:.{digits}f}, {row['high']:.{digits}f}]"
-    if "diff" in row:
-        text += (
-            f"; Δ {row['diff']:+.{digits}f} [{row['diff_low']:+.{digits}f}, "
-            f"{row['diff_high']:+.{digits}f}] {row['verdict']}"
-        )
+def _interval_text(mean: float, low: float, high: float, digits: int, sign: str = "") -> str:
+    """``mean [low, high]`` (just the mean when the interval is NaN: one seed)."""
+    text = f"{mean:{sign}.{digits}f}"
+    if not math.isnan(low):
+        text += f" [{low:{sign}.{digits}f}, {high:{sign}.{digits}f}]"
     return text
 
 
 def table(summaries: dict[str, dict[tuple[int, str], dict[str, float | int | str]]]) -> str:
-    """Markdown table: one row per (lag, target), one column per metric of :data:`METRICS`."""
-    keys = sorted({key for rows in summaries.values() for key in rows})
-    names = [name for name, _, _, _ in METRICS]
-    lines = [
-        "| S | target | seeds | " + " | ".join(names) + " |",
-        "|---|---|---|" + "---|" * len(names),
-    ]
-    for lag, target in keys:
-        seeds = max(int(summaries[tag].get((lag, target), {"n": 0})["n"]) for tag in names)
-        cells = [_cell_text(summaries[tag].get((lag, target)), 3) for tag in names]
-        lines.append(f"| {lag} | {target} | {seeds} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    """Markdown: one table per metric of :data:`METRICS`, one row per (lag, target) with the
+    mean over seeds, its 95% interval and the paired difference to GAE."""
+    order = list(TARGETS)
+    sections = []
+    for name, _, _, _ in METRICS:
+        rows = summaries[name]
+        lines = [
+            f"**{name}**",
+            "",
+            f"| S | target | seeds | mean [95% CI] | Δ vs {REFERENCE} [95% CI] | verdict |",
+            "|---|---|---|---|---|---|",
+        ]
+        for lag, target in sorted(rows, key=lambda key: (key[0], order.index(key[1]))):
+            row = rows[(lag, target)]
+            mean = _interval_text(float(row["mean"]), float(row["low"]), float(row["high"]), 3)
+            diff, verdict = "", "reference" if target == REFERENCE else ""
+            if "diff" in row:
+                diff = _interval_text(
+                    float(row["diff"]), float(row["diff_low"]), float(row["diff_high"]), 3, "+"
+                )
+                verdict = str(row["verdict"])
+            lines.append(f"| {lag} | {target} | {row['n']} | {mean} | {diff} | {verdict} |")
+        sections.append("\n".join(lines))
+    return "\n\n".join(sections)
 
 
 def _smooth(values: list[float], width: int) -> list[float]:
