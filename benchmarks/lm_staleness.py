@@ -309,9 +309,13 @@ def _smooth(values: list[float], width: int) -> list[float]:
     return out
 
 
-def _plot_curve(ax: Any, series: list[list[tuple[int, float]]], width: int, label: str) -> None:
+def _plot_curve(
+    ax: Any, series: list[list[tuple[int, float]]], width: int, label: str
+) -> tuple[float, float]:
     """One target's curve on ``ax``: mean over seeds (after a ``width``-step moving mean) with its
-    95% interval shaded (with 2 seeds or more), over the steps every seed has."""
+    95% interval shaded (with 2 seeds or more), over the steps every seed has. Returns the range
+    of the seeds' own (smoothed) values, which the axis limits follow: with 3 seeds the interval
+    is wide and would otherwise flatten every curve."""
     length = min(len(s) for s in series)
     steps = [step for step, _ in sorted(series[0])[:length]]
     values = [_smooth([v for _, v in sorted(s)][:length], width) for s in series]
@@ -320,6 +324,7 @@ def _plot_curve(ax: Any, series: list[list[tuple[int, float]]], width: int, labe
     if len(values) >= 2:
         lows, highs = [low for _, low, _ in stats], [high for _, _, high in stats]
         ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
+    return min(min(v) for v in values), max(max(v) for v in values)
 
 
 def plot(
@@ -329,7 +334,8 @@ def plot(
     smooth: int,
 ) -> None:
     """PNG, one column per lag, one line per target: reward and response length (moving mean over
-    ``smooth`` steps) and ``val/value_gap_mc`` vs rollout step; mean over seeds, 95% interval."""
+    ``smooth`` steps) and ``val/value_gap_mc`` vs rollout step; mean over seeds, 95% interval
+    shaded (clipped to the range of the seeds' values)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -346,12 +352,18 @@ def plot(
         len(rows), len(lags), figsize=(4.5 * len(lags), 3.2 * len(rows)), squeeze=False
     )
     for col, lag in enumerate(lags):
+        ranges: dict[int, list[tuple[float, float]]] = {row: [] for row in range(len(rows))}
         for target in targets:
             by_seed = curves.get((lag, target), {}).values()
             for row, (tag, width, _) in enumerate(rows):
                 series = [s[tag] for s in by_seed if s.get(tag)]
                 if series:
-                    _plot_curve(axes[row][col], series, width, target)
+                    ranges[row].append(_plot_curve(axes[row][col], series, width, target))
+        for row, spans in ranges.items():
+            if spans:
+                low, high = min(lo for lo, _ in spans), max(hi for _, hi in spans)
+                margin = 0.05 * (high - low) or 0.05
+                axes[row][col].set_ylim(low - margin, high + margin)
         axes[0][col].set_title(f"lag S = {lag}")
         axes[-1][col].set_xlabel("rollout step")
         for row, (_, _, label) in enumerate(rows):
