@@ -46,7 +46,8 @@ def test_tiny_grid_runs_resumes_and_summarizes(tmp_path: Path) -> None:
     spec = yaml.safe_load(grid.read_text())
     main([str(grid), str(tmp_path), "--workers", "1"])
     assert len(list(tmp_path.glob("*/log.json"))) == len(cells(spec)) == 12
-    assert (tmp_path / "summary.png").stat().st_size > 0
+    for png in ("summary_gap_pi.png", "curves_gap_pi.png", "beta.png"):
+        assert (tmp_path / png).stat().st_size > 0
     assert (
         "tie" in (tmp_path / "summary.md").read_text()
         or "better" in (tmp_path / "summary.md").read_text()
@@ -57,3 +58,19 @@ def test_tiny_grid_runs_resumes_and_summarizes(tmp_path: Path) -> None:
     main([str(grid), str(tmp_path)])  # resumes: nothing reruns
     assert first.stat().st_mtime_ns == stamp
     assert len(collect(spec, tmp_path)) == 4
+
+
+def test_metric_lists_and_windows_are_read_and_checked() -> None:
+    from brace_lightning.sweep import metrics, score, window
+
+    log = {"gap_pi": [4.0, 3.0, 2.0, 1.0]}
+    assert score(log, "gap_pi") == 1.0  # last quarter
+    assert score(log, "gap_pi", 0.5) == 1.5
+    assert score(log, "gap_pi", 1.0) == 2.5  # the whole run
+    assert metrics({"metric": ["gap_pi", "reward"]}) == ["gap_pi", "reward"]
+    assert metrics({"metric": "gap_pi"}) == ["gap_pi"]
+    assert window({}) == 0.25
+    with pytest.raises(ValueError, match="window must be a fraction in \\(0, 1\\]; got 0"):
+        window({"window": 0})
+    with pytest.raises(ValueError, match="metric must be a field name or a list of them; got 3"):
+        metrics({"metric": 3})
