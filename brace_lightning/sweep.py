@@ -16,6 +16,8 @@ Run with ``python -m brace_lightning.sweep GRID.yaml OUT_DIR --workers N``. The 
       ppo: {class_path: PPOClip}
     metric: gap_pi                              # VersionLog field(s) summarized per cell
     window: 0.25                                # score = mean over this last fraction of versions
+    higher_is_better: [value_pi]                # metrics whose verdict favours larger values
+    signed: [label_bias]                        # metrics with no better side: "differs" or "tie"
     reference: gae                              # target every other target is paired against
 
 ``metric`` is one :class:`~brace_lightning.sim.VersionLog` field or a list of them (the first is
@@ -174,7 +176,11 @@ def score(log: dict[str, Any], metric: str, fraction: float = 0.25) -> float:
 
 
 def aggregate(
-    scores: dict[str, dict[int, float]], reference: str, *, target_of: dict[str, str] | None = None
+    scores: dict[str, dict[int, float]],
+    reference: str,
+    *,
+    target_of: dict[str, str] | None = None,
+    higher_is_better: bool | None = False,
 ) -> list[dict[str, Any]]:
     """Mean ± 95% interval per setting, and the paired difference to the reference at each setting.
 
@@ -183,10 +189,12 @@ def aggregate(
         reference: the reference target's name; each setting is paired with the setting whose
             name has ``target=<reference>`` in place of its own target, seed by seed.
         target_of: setting → target name (parsed from ``target=...`` in the name if None).
+        higher_is_better: the verdict's direction (False: lower is better, as for ĝ_π; None:
+            no direction, as for a signed bias, and a difference is called ``differs``).
 
     Returns:
         One row per setting: ``setting, mean, low, high, diff, diff_low, diff_high, verdict``
-        (verdict ``better``/``worse`` — lower is better — or ``tie`` when the interval covers 0;
+        (verdict ``better``/``worse`` in the metric's direction, or ``tie`` when the interval covers 0;
         the diff fields are None for the reference itself).
     """
     rows = []
@@ -200,7 +208,12 @@ def aggregate(
             seeds = sorted(set(by_seed) & set(scores[partner]))
             diffs = [by_seed[s] - scores[partner][s] for s in seeds]
             d, d_low, d_high = interval(diffs)
-            verdict = "tie" if d_low <= 0.0 <= d_high else ("better" if d < 0 else "worse")
+            improved = d > 0 if higher_is_better else d < 0
+            verdict = (
+                "tie"
+                if d_low <= 0.0 <= d_high
+                else ("differs" if higher_is_better is None else "better" if improved else "worse")
+            )
             row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
         rows.append(row)
     return rows
@@ -363,8 +376,16 @@ def summarize(spec: dict[str, Any], out_dir: Path) -> str:
     reference = spec.get("reference", next(iter(spec["targets"])))
     sections = []
     for metric in metrics(spec):
-        rows = aggregate(collect(spec, out_dir, metric), reference)
-        sections.append(f"### {metric}\n\n{table(rows)}\n")
+        higher = (
+            True
+            if metric in spec.get("higher_is_better", [])
+            else None
+            if metric in spec.get("signed", [])
+            else False
+        )
+        rows = aggregate(collect(spec, out_dir, metric), reference, higher_is_better=higher)
+        direction = {True: "higher is better", False: "lower is better", None: "signed"}[higher]
+        sections.append(f"### {metric} ({direction})\n\n{table(rows)}\n")
         plot(rows, out_dir / f"summary_{metric}.png", metric)
         plot_curves(spec, out_dir, metric, out_dir / f"curves_{metric}.png")
     if any("beta" in log for _, log in _logs(spec, out_dir)[:1]):

@@ -74,3 +74,38 @@ def test_metric_lists_and_windows_are_read_and_checked() -> None:
         window({"window": 0})
     with pytest.raises(ValueError, match="metric must be a field name or a list of them; got 3"):
         metrics({"metric": 3})
+
+
+def test_variants_bundle_fields_and_name_their_cells() -> None:
+    spec = {
+        "base": {"horizon": 8, "critic_lr": 0.9},
+        "grid": {"seed": [0, 1]},
+        "variants": {"tab": {"critic": "tabular"}, "mlp": {"critic": "mlp", "critic_lr": 0.01}},
+        "targets": {"gae": {"class_path": "GAE"}},
+        "objectives": {"ppo": {"class_path": "PPOClip"}},
+        "metric": "gap_pi",
+    }
+    by_name = {cell["name"]: cell for cell in cells(spec)}
+    assert sorted(by_name) == [
+        "target=gae,objective=ppo,variant=mlp,seed=0",
+        "target=gae,objective=ppo,variant=mlp,seed=1",
+        "target=gae,objective=ppo,variant=tab,seed=0",
+        "target=gae,objective=ppo,variant=tab,seed=1",
+    ]
+    assert by_name["target=gae,objective=ppo,variant=mlp,seed=1"]["critic_lr"] == 0.01
+    assert by_name["target=gae,objective=ppo,variant=tab,seed=0"]["critic_lr"] == 0.9
+    assert by_name["target=gae,objective=ppo,variant=tab,seed=0"]["critic"] == "tabular"
+
+
+def test_verdict_follows_the_metric_direction() -> None:
+    scores = {
+        "target=ref": {0: 1.0, 1: 2.0, 2: 3.0},
+        "target=up": {0: 2.0, 1: 3.1, 2: 3.9},  # paired differences 1.0, 1.1, 0.9
+    }
+    verdicts = {
+        higher: next(r for r in aggregate(scores, "ref", higher_is_better=higher) if r["diff"])[
+            "verdict"
+        ]
+        for higher in (False, True, None)
+    }
+    assert verdicts == {False: "worse", True: "better", None: "differs"}
