@@ -18,6 +18,8 @@ Run with ``python -m brace_lightning.sweep GRID.yaml OUT_DIR --workers N``. The 
     window: 0.25                                # score = mean over this last fraction of versions
     higher_is_better: [value_pi]                # metrics whose verdict favours larger values
     signed: [label_bias]                        # metrics with no better side: "differs" or "tie"
+    shadows: [gae, brace]                       # optional: extra critics on the same data (below)
+    drivers: [gae]                              # optional: the targets that get cells (default all)
     reference: gae                              # target every other target is paired against
 
 ``metric`` is one :class:`~brace_lightning.sim.VersionLog` field or a list of them (the first is
@@ -29,6 +31,11 @@ the paired difference against the reference target at the same setting and seed;
 whose interval covers 0 is a tie. Per metric, ``summary_<metric>.png`` shows the scores and
 ``curves_<metric>.png`` the per-version means with their intervals (one panel per setting, one
 line per target); ``beta.png`` shows β by remaining horizon averaged over the window.
+
+``shadows`` (names from ``targets``) adds one critic per listed target to every run, trained on
+the same batches but never used by the actor (``run_closed_loop``'s ``shadow_targets``): the cell's
+own target drives the actor, and the tables compare the shadow critics' ĝ_π on one actor
+trajectory, which removes the actor's reaction to its critic from the comparison.
 """
 
 from __future__ import annotations
@@ -90,9 +97,8 @@ def cells(spec: dict[str, Any]) -> list[Cell]:
     variants: dict[str, dict[str, Any]] = spec.get("variants", {"": {}})
     keys = sorted(grid)
     out = []
-    for target, objective, variant in itertools.product(
-        spec["targets"], spec["objectives"], variants
-    ):
+    drivers = spec.get("drivers", list(spec["targets"]))
+    for target, objective, variant in itertools.product(drivers, spec["objectives"], variants):
         for values in itertools.product(*(grid[k] for k in keys)):
             config = {
                 **spec.get("base", {}),
@@ -124,8 +130,12 @@ def run_cell(spec: dict[str, Any], cell: Cell, out_dir: Path) -> Path:
     config = {k: v for k, v in cell.items() if k not in ("name", "target", "objective")}
     target = _build("brace_lightning.targets", spec["targets"][cell["target"]])
     objective = _build("brace_lightning.objectives", spec["objectives"][cell["objective"]])
+    shadows = {
+        name: _build("brace_lightning.targets", spec["targets"][name])
+        for name in spec.get("shadows", [])
+    }
     start = time.perf_counter()
-    log = run_closed_loop(ClosedLoopConfig(**config), target, objective)
+    log = run_closed_loop(ClosedLoopConfig(**config), target, objective, shadow_targets=shadows)
     seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
@@ -224,12 +234,26 @@ def _setting(name: str) -> str:
 
 
 def _logs(spec: dict[str, Any], out_dir: Path) -> list[tuple[Cell, dict[str, Any]]]:
-    """The finished cells with their logs."""
+    """The finished cells with their logs.
+
+    With ``shadows`` in the spec, each cell stands for one entry per shadow critic instead: named
+    ``target=<shadow>,driver=<cell's target>,…``, whose ``gap_pi`` is that critic's ĝ_π (the other
+    fields are the shared run's), so the tables pair critics seed by seed on the same data.
+    """
     out = []
     for cell in cells(spec):
         path = out_dir / cell["name"] / "log.json"
-        if path.exists():
-            out.append((cell, json.loads(path.read_text())["log"]))
+        if not path.exists():
+            continue
+        log = json.loads(path.read_text())["log"]
+        if not spec.get("shadows"):
+            out.append((cell, log))
+            continue
+        for shadow in spec["shadows"]:
+            driver = f"target={cell['target']}"
+            name = cell["name"].replace(driver, f"target={shadow},driver={cell['target']}", 1)
+            shadow_log = {**log, "gap_pi": log["shadow_gap_pi"][shadow]}
+            out.append(({**cell, "name": name, "target": shadow}, shadow_log))
     return out
 
 
@@ -388,12 +412,10 @@ def summarize(spec: dict[str, Any], out_dir: Path) -> str:
         sections.append(f"### {metric} ({direction})\n\n{table(rows)}\n")
         plot(rows, out_dir / f"summary_{metric}.png", metric)
         plot_curves(spec, out_dir, metric, out_dir / f"curves_{metric}.png")
-    if any("beta" in log for _, log in _logs(spec, out_dir)[:1]):
+    if not spec.get("shadows") and any("beta" in log for _, log in _logs(spec, out_dir)[:1]):
         plot_beta(spec, out_dir, out_dir / "beta.png")
-    seconds = [
-        json.loads((out_dir / c["name"] / "log.json").read_text()).get("seconds", 0.0)
-        for c, _ in _logs(spec, out_dir)
-    ]
+    paths = [out_dir / cell["name"] / "log.json" for cell in cells(spec)]
+    seconds = [json.loads(p.read_text()).get("seconds", 0.0) for p in paths if p.exists()]
     median = sorted(seconds)[len(seconds) // 2] if seconds else 0.0
     footer = f"{len(seconds)} cells, median {median:.1f} s per cell."
     text = "\n".join(sections) + "\n" + footer + "\n"

@@ -109,3 +109,32 @@ def test_verdict_follows_the_metric_direction() -> None:
         for higher in (False, True, None)
     }
     assert verdicts == {False: "worse", True: "better", None: "differs"}
+
+
+def test_shadow_grid_pairs_the_critics_of_one_run(tmp_path: Path) -> None:
+    spec = {
+        "base": {"horizon": 8, "versions": 6, "staleness": 2, "batch_size": 16},
+        "grid": {"seed": [0, 1]},
+        "targets": {
+            "gae": {"class_path": "GAE"},
+            "brace": {"class_path": "BRACE", "init_args": {"k": 2}},
+        },
+        "drivers": ["brace"],
+        "shadows": ["gae", "brace"],
+        "objectives": {"ppo": {"class_path": "PPOClip"}},
+        "metric": "gap_pi",
+        "window": 1.0,
+    }
+    grid = tmp_path / "grid.yaml"
+    grid.write_text(yaml.safe_dump(spec))
+    main([str(grid), str(tmp_path / "out")])
+    assert len(list((tmp_path / "out").glob("*/log.json"))) == 2  # one run per seed
+    scores = collect(spec, tmp_path / "out")
+    assert sorted(scores) == [
+        "target=brace,driver=brace,objective=ppo",
+        "target=gae,driver=brace,objective=ppo",
+    ]
+    rows = {r["setting"]: r for r in aggregate(scores, "gae")}
+    shadow = rows["target=brace,driver=brace,objective=ppo"]
+    assert shadow["diff"] is not None  # paired with the GAE critic of the same runs
+    assert "target=brace,driver=brace" in (tmp_path / "out" / "summary.md").read_text()

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Literal, NamedTuple
 
@@ -148,6 +149,7 @@ class VersionLog:
     log_product_min: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     reward: list[float] = field(default_factory=list)
+    shadow_gap_pi: dict[str, list[float]] = field(default_factory=dict)
     actor_stats: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -286,15 +288,83 @@ def _weighted_gap(table: torch.Tensor, truth: torch.Tensor, weights: torch.Tenso
     return float((weights * (table[:-1] - truth[:-1]).abs()).sum() / weights.shape[0])
 
 
+class _Critic:
+    """A learned critic with a fixed update budget per version: a table (rate α) or an MLP (Adam).
+
+    ``labels`` computes the value target from the critic as it is now, exactly as the trainer
+    does; ``update`` takes ``critic_updates`` steps, recomputing the labels after the first.
+    """
+
+    def __init__(self, config: ClosedLoopConfig, mdp: CountingMDP, features: torch.Tensor) -> None:
+        self.config, self.mdp, self.features = config, mdp, features
+        self.values = torch.zeros(mdp.horizon + 1, mdp.num_counts, dtype=torch.float64)
+        self.mlp: _MLP | None = None
+        if config.critic == "mlp":
+            self.mlp = _MLP(config.critic_hidden, 1, zero_output=False)
+            self.optimizer = torch.optim.Adam(self.mlp.parameters(), lr=config.critic_lr)
+
+    def table(self) -> torch.Tensor:
+        """``[T + 1, C]`` values of every state (row T is 0)."""
+        if self.mlp is None:
+            return self.values
+        with torch.no_grad():
+            out = torch.zeros_like(self.values)
+            out[:-1] = self.mlp(self.features).squeeze(-1)
+            return out
+
+    def labels(
+        self, target: ValueTargetFn, batch: Trajectories
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` float64 value targets and advantages from the current critic."""
+        out = target(
+            rewards=batch.rewards,
+            values=state_values(self.table(), batch.counts),
+            target_logprobs=batch.target_logprobs,
+            behavior_logprobs=batch.behavior_logprobs,
+            mask=batch.mask,
+        )
+        return out.returns.to(torch.float64), out.advantages.to(torch.float64)
+
+    def update(self, target: ValueTargetFn, batch: Trajectories, returns: torch.Tensor) -> None:
+        """The version's budget of steps; ``returns`` are the labels for the first one."""
+        mask = batch.mask
+        positions = torch.arange(self.mdp.horizon).expand_as(batch.counts)
+        flat = (positions * self.mdp.num_counts + batch.counts)[mask]
+        visits = torch.bincount(flat, minlength=self.mdp.horizon * self.mdp.num_counts)
+        visited = visits > 0
+        for step in range(self.config.critic_updates):
+            step_returns = returns if step == 0 else self.labels(target, batch)[0]
+            if self.mlp is None:
+                sums = torch.bincount(flat, weights=step_returns[mask], minlength=visits.numel())
+                current = self.values[:-1].reshape(-1)
+                current[visited] += self.config.critic_lr * (
+                    sums[visited] / visits[visited] - current[visited]
+                )
+            else:
+                predicted = self.mlp(self.features[positions, batch.counts]).squeeze(-1)
+                loss = ((predicted - step_returns) ** 2)[mask].mean()
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+
+
 def run_closed_loop(
-    config: ClosedLoopConfig, target: ValueTargetFn, objective: ActorObjective
+    config: ClosedLoopConfig,
+    target: ValueTargetFn,
+    objective: ActorObjective,
+    *,
+    shadow_targets: Mapping[str, ValueTargetFn] | None = None,
 ) -> VersionLog:
     """Run the closed loop of the module docstring and return its per-version log.
 
     Args:
         config: the run's settings (:class:`ClosedLoopConfig`).
-        target: the critic's value target, e.g. ``brace_lightning.targets.BRACE(k=100)``.
+        target: the critic's value target, e.g. ``brace_lightning.targets.BRACE(k=100)``; its
+            advantages drive the actor.
         objective: the actor objective, e.g. ``brace_lightning.objectives.PPOClip()``.
+        shadow_targets: name → value target of extra critics (same kind, rate and budget) trained
+            on the same batches but never used by the actor, so every target is compared on one
+            actor trajectory and one data stream: ``VersionLog.shadow_gap_pi[name]``.
 
     Returns:
         :class:`VersionLog` with ``config.versions`` entries per field.
@@ -305,23 +375,12 @@ def run_closed_loop(
     actor = _Actor(config, mdp)
     # The behavior policies of the last S + 1 versions.
     queue: collections.deque[_Policy] = collections.deque(maxlen=config.staleness + 1)
-
-    features = actor.features
-    mlp = _MLP(config.critic_hidden, 1, zero_output=False) if config.critic == "mlp" else None
-    critic_opt = torch.optim.Adam(mlp.parameters(), lr=config.critic_lr) if mlp else None
-    table = torch.zeros(mdp.horizon + 1, mdp.num_counts, dtype=torch.float64)
+    critic = _Critic(config, mdp, actor.features)
+    shadows = {name: _Critic(config, mdp, actor.features) for name in shadow_targets or {}}
     positions = torch.arange(mdp.horizon)
     edges = power_of_two_edges(mdp.horizon, start=1)
-    log = VersionLog(beta_edges=list(edges))
+    log = VersionLog(beta_edges=list(edges), shadow_gap_pi={name: [] for name in shadows})
     log_c_bar = math.log(config.c_bar)
-
-    def critic_table() -> torch.Tensor:
-        if mlp is None:
-            return table
-        with torch.no_grad():
-            out = torch.zeros_like(table)
-            out[:-1] = mlp(features).squeeze(-1)
-            return out
 
     for _ in range(config.versions):
         pi = actor.table()
@@ -349,26 +408,10 @@ def run_closed_loop(
             generator=generator,
         )
         mask = batch.mask
-        flat = (positions * mdp.num_counts + batch.counts)[mask]
-        visits = torch.bincount(flat, minlength=mdp.horizon * mdp.num_counts)
-        visited = visits > 0
-
-        def labels(
-            batch: Trajectories = batch, mask: torch.Tensor = mask
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            values = state_values(critic_table(), batch.counts)
-            out = target(
-                rewards=batch.rewards,
-                values=values,
-                target_logprobs=batch.target_logprobs,
-                behavior_logprobs=batch.behavior_logprobs,
-                mask=mask,
-            )
-            return out.returns.to(torch.float64), out.advantages.to(torch.float64)
 
         # Advantages for the actor come from the critic before this version's critic steps,
         # as in a trainer that computes targets once per batch.
-        returns, advantages = labels()
+        returns, advantages = critic.labels(target, batch)
         error = returns[mask] - state_values(target_policy.values, batch.counts)[mask]
         log.label_bias.append(float(error.mean()))
         log.label_variance.append(float(error.var(unbiased=False)))
@@ -381,22 +424,14 @@ def run_closed_loop(
                 for v, ok in zip(binned.value.tolist(), binned.defined.tolist(), strict=True)
             ]
         )
-
-        for step in range(config.critic_updates):
-            step_returns = returns if step == 0 else labels()[0]
-            if mlp is None:
-                sums = torch.bincount(flat, weights=step_returns[mask], minlength=visits.numel())
-                current = table[:-1].reshape(-1)
-                current[visited] += config.critic_lr * (
-                    sums[visited] / visits[visited] - current[visited]
-                )
-            else:
-                assert critic_opt is not None
-                predicted = mlp(features[positions.expand_as(batch.counts), batch.counts])
-                loss = ((predicted.squeeze(-1) - step_returns) ** 2)[mask].mean()
-                critic_opt.zero_grad()
-                loss.backward()
-                critic_opt.step()
+        critic.update(target, batch, returns)
+        for name, shadow in shadows.items():
+            assert shadow_targets is not None
+            shadow.update(
+                shadow_targets[name], batch, shadow.labels(shadow_targets[name], batch)[0]
+            )
+            gap = _weighted_gap(shadow.table(), target_policy.values, target_policy.occupancy)
+            log.shadow_gap_pi[name].append(gap)
 
         # Actor step with the project's objective on whitened advantages.
         adv = advantages[mask]
@@ -420,7 +455,7 @@ def run_closed_loop(
             log.actor_stats.setdefault(key, []).append(float(value) / scale)
 
         # Ground truth for this version's critic (after its updates) and policies.
-        estimate = critic_table()
+        estimate = critic.table()
         log.value_pi.append(float(target_policy.values[0, 0]))
         log.gap_pi.append(_weighted_gap(estimate, target_policy.values, target_policy.occupancy))
         log.gap_mu.append(
