@@ -44,6 +44,19 @@ def test_plan_sorts_by_length_and_respects_both_limits():
         plan_micro_batches(mask, max_tokens=0)
 
 
+def test_packed_plan_counts_real_tokens_only():
+    # Rows of 3, 16, 8, 2, 12 and 1 real tokens at scattered columns: padded, the window of any
+    # two rows is wide; packed, only their lengths add up.
+    mask = _mask([(6, 9), (0, 16), (4, 12), (5, 7), (2, 14), (7, 8)], 16)
+    plan = plan_micro_batches(mask, max_tokens=14, packed=True)
+    assert [m.rows.tolist() for m in plan] == [[1], [4], [2, 0, 3, 5]]
+    for micro in plan[1:]:
+        assert int(mask[micro.rows].sum()) <= 14
+    padded = plan_micro_batches(mask, max_tokens=14)  # rows × width <= 14
+    assert [m.rows.tolist() for m in padded] == [[1], [4], [2], [0, 3, 5]]
+    assert len(plan_micro_batches(mask, max_tokens=42, packed=True)) == 1
+
+
 def test_equalize_splits_then_adds_zero_weight_fillers():
     mask = _mask([(0, 4), (1, 4), (2, 4)], 4)
     plan = plan_micro_batches(mask)

@@ -1,12 +1,19 @@
-"""Packed sequences (``models/packing.py``) against the padded path, Qwen2- and Llama-shaped."""
+"""Packed sequences (``models/packing.py``) against the padded path, Qwen2- and Llama-shaped: the
+actor's log-probs, the critic's values, and the check that refuses models which cannot pack."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import BloomConfig, FalconConfig, LlamaConfig
 
-from brace_lightning.models.packing import pack_rows, packed_token_logprobs
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.packing import (
+    pack_rows,
+    packed_token_logprobs,
+    packed_values,
+    packing_problem,
+)
 from brace_lightning.models.policy import load_causal_lm, tiny_qwen2_config, token_logprobs
 
 
@@ -64,3 +71,51 @@ def test_packed_logprobs_and_gradients_equal_padded(temperature):
         assert (lp1[~mask] == 0).all() and (lp1[2] == 0).all()
         for name, grad in g0.items():
             torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_values_and_gradients_equal_padded():
+    for actor in _models():
+        critic = ValueModel.from_actor(actor, seed=3, head_init_std=0.1)
+        ids, mask = _batch(actor.config.vocab_size)
+        weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+        results = []
+        for values_of in (critic, lambda i, m: packed_values(critic, i, m)):
+            critic.zero_grad(set_to_none=True)
+            values = values_of(ids, mask)
+            (values * weights).sum().backward()
+            grads = {n: p.grad.clone() for n, p in critic.named_parameters()}
+            results.append((values.detach(), grads))
+        (v0, g0), (v1, g1) = results
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-6)
+        assert (v1[~mask] == 0).all()
+        for name, grad in g0.items():
+            torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packing_problem_passes_qwen2_and_llama_actors_and_critics():
+    for actor in _models():
+        for model in (actor.train(), ValueModel.from_actor(actor)):
+            assert packing_problem(model) is None, type(model).__name__
+            assert model.training  # the probe runs in eval mode, then restores the mode
+
+
+def test_packing_problem_names_models_that_cannot_pack():
+    # Falcon takes position ids but does not pass them to its mask: its packed rows attend to each
+    # other, which only running the model shows. BLOOM (ALiBi) takes no position ids at all.
+    falcon = load_causal_lm(
+        FalconConfig(vocab_size=89, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+        seed=0,
+    )
+    for model in (falcon, ValueModel.from_actor(falcon)):
+        assert "packed rows do not match the rows run one by one" in packing_problem(model)
+    bloom = load_causal_lm(
+        BloomConfig(vocab_size=89, hidden_size=32, n_layer=2, n_head=4),
+        seed=0,
+        attn_implementation="eager",
+    )
+    assert packing_problem(bloom) == "BloomModel.forward takes no position_ids"
+    qwen = _models()[0]
+    qwen.config._attn_implementation = "paged|eager"
+    assert packing_problem(qwen) == (
+        "transformers builds no packed-sequence mask for attention 'paged|eager'"
+    )
