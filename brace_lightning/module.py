@@ -4,13 +4,16 @@ One ``training_step`` consumes one rollout batch (pulled from the data module's 
 is prefetched with stale weights) and does, in this order:
 
 1. log π of every token under the actor at the start of the step (``proximal`` / target policy),
-   the critic's values V, and (PPO-EWMA only) log-probs under the EWMA actor — all without grad;
-2. the value target (``value_target``: GAE, V-trace or BRACE) → advantages and critic targets;
+   the critic's values V, (PPO-EWMA only) log-probs under the EWMA actor and (``kl_coef`` > 0
+   only) log π_ref under the frozen reference policy — all without grad;
+2. (``kl_mode="reward"`` only) the per-token penalty −kl_coef·KL(π‖π_ref) added to the rewards;
+   the value target (``value_target``: GAE, V-trace or BRACE) → advantages and critic targets;
    advantages whitened over the batch's actions;
 3. ``ppo_epochs`` passes over ``num_minibatches`` shuffled minibatches; each minibatch is one
    optimizer step of the critic and (after ``critic_warmup_steps``) of the actor, accumulated over
-   micro-batches. Every token loss is summed and divided by the minibatch's global count of action
-   tokens, so accumulation and data parallelism give the gradient of one big batch;
+   micro-batches. Every token loss (with ``kl_mode="loss"`` the actor's includes kl_coef·KL) is
+   summed and divided by the minibatch's global count of action tokens, so accumulation and data
+   parallelism give the gradient of one big batch;
 4. the new actor weights are published to the data module (a new policy version).
 
 Data parallelism: with ``strategy: ddp`` or Lightning's ``ModelParallelStrategy`` (FSDP2, applied by
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 import random
 import time
@@ -36,6 +40,7 @@ from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
@@ -47,7 +52,12 @@ from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.health import require_finite_logprobs, require_finite_weights
-from brace_lightning.models.meta_init import empty_models, materialise_and_fill
+from brace_lightning.models.meta_init import (
+    WRAPPER_PREFIX,
+    empty_models,
+    materialise_and_fill,
+    recompute_nonpersistent_buffers,
+)
 from brace_lightning.models.microbatch import (
     MicroBatch,
     equalize,
@@ -64,6 +74,7 @@ from brace_lightning.models.parallelize import (
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
+from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.step_metrics import (
     DUPLICATE_INFO,
@@ -80,6 +91,12 @@ MAX_LOG_RATIO = 20.0
 
 #: Below this return variance the critic's explained variance is logged as NaN.
 EXPLAINED_VARIANCE_MIN_VAR = 1e-6
+
+#: Where the KL to the reference policy goes: a term of the actor loss or a reward penalty.
+KL_MODES = ("loss", "reward")
+
+#: State-dict prefix of the frozen reference policy (present only with ``kl_coef`` > 0).
+REFERENCE_PREFIX = "reference_actor."
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -137,6 +154,18 @@ class BraceModule(pl.LightningModule):
         fsdp_meta_init: under FSDP2, keep actor and critic on the meta device until
             ``configure_model`` shards them, then each rank allocates and reads only its shards
             (``docs/fsdp.md``).
+        kl_coef: weight of the KL to a frozen reference policy π_ref, the actor as it is when RL
+            training starts (after any ``SupervisedWarmStart``). 0 (default): no reference model
+            is built and nothing changes. Must be >= 0.
+        kl_estimator: the per-token estimator of KL(π‖π_ref) on the sampled tokens, ℓ = log π −
+            log π_ref: ``"k1"`` (ℓ), ``"k2"`` (½ℓ²) or ``"k3"`` (default; r − 1 − log r with
+            r = π_ref/π: unbiased and non-negative), see
+            :func:`brace_lightning.objectives.functional.kl_to_reference`.
+        kl_mode: ``"loss"`` (default; GRPO, verl ``use_kl_loss``): kl_coef · KL of the current
+            actor is added to the actor's token loss, normalised like it, gradient through π only;
+            ``"reward"`` (OpenRLHF, TRL PPO): −kl_coef · KL of the actor at the start of the step
+            is added to the token rewards before the value target, no gradient (``k1`` is the
+            usual estimator there).
     """
 
     def __init__(
@@ -165,6 +194,9 @@ class BraceModule(pl.LightningModule):
         fsdp_mixed_precision: str = "auto",
         fsdp_cpu_offload: bool = False,
         fsdp_meta_init: bool = False,
+        kl_coef: float = 0.0,
+        kl_estimator: str = "k3",
+        kl_mode: str = "loss",
     ) -> None:
         super().__init__()
         silence_harmless_warnings()  # Lightning's dataloader_iter notes (brace_lightning.console)
@@ -182,6 +214,16 @@ class BraceModule(pl.LightningModule):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
+        if isinstance(kl_coef, bool) or not (
+            isinstance(kl_coef, int | float) and 0.0 <= kl_coef < math.inf
+        ):
+            raise ValueError(f"kl_coef must be a finite number >= 0; got {kl_coef!r}.")
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(
+                f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}; got {kl_estimator!r}."
+            )
+        if kl_mode not in KL_MODES:
+            raise ValueError(f"kl_mode must be one of {', '.join(KL_MODES)}; got {kl_mode!r}.")
         # load_from_checkpoint passes the saved class_path configs (brace_lightning/hparams.py).
         value_target = from_config(value_target, ValueTarget, "value_target")
         actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
@@ -213,6 +255,9 @@ class BraceModule(pl.LightningModule):
         mixed_precision_dtypes(fsdp_mixed_precision, "cpu")  # validates the setting
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.fsdp_cpu_offload = fsdp_cpu_offload
+        self.kl_coef = float(kl_coef)
+        self.kl_estimator = kl_estimator
+        self.kl_mode = kl_mode
 
         self.tokenizer = load_tokenizer(actor)
         # fsdp_meta_init: what configure_model fills the meta-built models from.
@@ -252,6 +297,15 @@ class BraceModule(pl.LightningModule):
                 nn.Parameter(torch.zeros_like(p), requires_grad=False)
                 for p in self.actor.parameters()
             )
+        # The frozen reference policy of the KL term: only with kl_coef > 0. Its weights are the
+        # actor's as of the first training step (after any warm start; _capture_reference), then
+        # they never change: never in an optimizer, saved in checkpoints (a resumed run keeps the
+        # run's initial policy, not the resumed actor). Built here so that Lightning moves it,
+        # FSDP2 shards it (configure_model) and checkpoints restore it like the actor.
+        self.reference_actor: nn.Module | None = None
+        self._reference_captured = False
+        if self.kl_coef > 0:
+            self.reference_actor = copy.deepcopy(self.actor).requires_grad_(False).eval()
         # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
         self.horizon_beta = HorizonBeta()
         # ĝ_π against Monte-Carlo returns of fresh on-policy rollouts (the validation batches).
@@ -263,7 +317,8 @@ class BraceModule(pl.LightningModule):
     # ------------------------------------------------------------------ parallelism
 
     def configure_model(self) -> None:
-        """Shard actor and critic with FSDP2 under ``ModelParallelStrategy`` (else nothing).
+        """Shard actor, critic (and the reference policy, if any) with FSDP2 under
+        ``ModelParallelStrategy`` (else nothing).
 
         Idempotent: Lightning may call it more than once and a sharded model is left as it is.
         """
@@ -297,6 +352,16 @@ class BraceModule(pl.LightningModule):
                 reduce_dtype=reduce_dtype,
                 cpu_offload=self.fsdp_cpu_offload,
             )
+        if self.reference_actor is not None:
+            # Sharded like the actor (same mesh, placements and mixed precision), so that
+            # _capture_reference copies shard to shard; no activation checkpointing (no backward).
+            parallelize(
+                self.reference_actor,
+                self.device_mesh,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                cpu_offload=self.fsdp_cpu_offload,
+            )
         if any(p.is_meta for p in self.actor.parameters()):
             materialise_and_fill(
                 self.actor,
@@ -307,6 +372,22 @@ class BraceModule(pl.LightningModule):
                 seed=self._meta_seed,
             )
             self._meta_states = None
+        if self.reference_actor is not None and any(
+            p.is_meta for p in self.reference_actor.parameters()
+        ):
+            # Allocated only: its values come from the actor (first step) or the checkpoint.
+            device = trainer.strategy.root_device
+            self.reference_actor.to_empty(device=device)
+            recompute_nonpersistent_buffers(self.reference_actor, device)
+
+    def train(self, mode: bool = True) -> BraceModule:
+        """Set training mode as ``nn.Module.train`` does, except that the frozen reference policy
+        stays in eval mode (no dropout in its log-probs)."""
+        super().train(mode)
+        reference = getattr(self, "reference_actor", None)  # None before __init__ sets it
+        if reference is not None:
+            reference.eval()
+        return self
 
     # ------------------------------------------------------------------ optimizers
 
@@ -333,6 +414,8 @@ class BraceModule(pl.LightningModule):
                 f"(counts: {_counts(batch)}); check the task, the reward function and max_staleness."
             )
         temperature = float(batch.info.get("temperature", 1.0))
+        if self.reference_actor is not None and not self._reference_captured:
+            self._capture_reference()
         phase_start = time.perf_counter()
         with torch.no_grad():
             plan = self._micro_batches(batch.attention_mask)
@@ -350,6 +433,22 @@ class BraceModule(pl.LightningModule):
                 start = time.perf_counter()
                 ewma_logprobs = self._score(self.ewma_actor, batch, plan, temperature)
                 ewma_seconds = time.perf_counter() - start
+            reference_logprobs = None
+            kl_metrics: dict[str, float] = {}
+            if self.reference_actor is not None:
+                start = time.perf_counter()
+                reference_logprobs = self._score_reference(batch, plan, temperature)
+                kl_metrics["time/reference_forward_ms"] = (time.perf_counter() - start) * 1e3
+                kl = kl_to_reference(
+                    proximal_logprobs, reference_logprobs, batch.mask, estimator=self.kl_estimator
+                )
+                kl_metrics["kl/ref"] = float(masked_mean(kl, batch.mask))
+                if self.kl_mode == "reward":
+                    # KL is 0 at non-actions, so only the action tokens' rewards change.
+                    penalty = -self.kl_coef * kl
+                    batch = dataclasses.replace(batch, rewards=batch.rewards + penalty)
+                    kl_metrics["kl/ref_penalty"] = float(penalty.sum(1).mean())
+                    reference_logprobs = None  # the actor loss has no KL term
             start = time.perf_counter()
             with self._blame(self.value_target):
                 targets = self.value_target(
@@ -380,6 +479,7 @@ class BraceModule(pl.LightningModule):
                         targets.returns[rows],
                         advantages[rows],
                         None if ewma_logprobs is None else ewma_logprobs[rows],
+                        None if reference_logprobs is None else reference_logprobs[rows],
                         train_actor,
                         stats,
                     )
@@ -398,6 +498,7 @@ class BraceModule(pl.LightningModule):
             **rollout_statistics(batch, advantages),
             **optimizer_statistics(self),
             **memory_statistics(self.device),
+            **kl_metrics,
         }
         self._log_step(
             batch, proximal_logprobs, old_values, targets.returns, stats, target_seconds, extra
@@ -429,10 +530,15 @@ class BraceModule(pl.LightningModule):
         returns: torch.Tensor,
         advantages: torch.Tensor,
         ewma_logprobs: torch.Tensor | None,
+        reference_logprobs: torch.Tensor | None,
         train_actor: bool,
         stats: dict[str, list[torch.Tensor]],
     ) -> None:
-        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches."""
+        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches.
+
+        ``reference_logprobs`` (log π_ref, only with ``kl_mode="loss"``) adds kl_coef · KL(π‖π_ref)
+        to the actor's token loss, summed and divided by the same global action-token count.
+        """
         actor_opt, critic_opt = self.optimizers()
         tokens = self._global_count(mb.mask)
         scale = self.trainer.world_size / tokens  # DDP averages gradients over ranks
@@ -468,7 +574,17 @@ class BraceModule(pl.LightningModule):
                     mask=mask,
                     entropy=None if mb.entropy is None else mb.entropy[rows],
                 )
-            actor_loss = actor_out.token_loss.sum() * scale * micro.weight
+            token_loss = actor_out.token_loss
+            if reference_logprobs is not None:
+                kl = kl_to_reference(
+                    logprobs, reference_logprobs[rows], mask, estimator=self.kl_estimator
+                )
+                kl_loss = self.kl_coef * kl
+                token_loss = token_loss + kl_loss
+                if micro.weight:
+                    kl_part = kl_loss.detach().sum() * scale / self.trainer.world_size
+                    _add(sums, "actor/kl_ref_loss", kl_part)
+            actor_loss = token_loss.sum() * scale * micro.weight
             self._check_finite("actor loss", actor_loss)
             self.manual_backward(actor_loss)
             if micro.weight:
@@ -538,6 +654,43 @@ class BraceModule(pl.LightningModule):
             return token_logprobs(actor, ids, attn, temperature=temperature)[0]
 
         return score_rows(logprobs, batch.input_ids, batch.attention_mask, plan)
+
+    @torch.no_grad()
+    def _capture_reference(self) -> None:
+        """Copy the actor's weights into the reference policy, once per run.
+
+        Called at the start of the first training step of a run whose reference is not captured
+        yet (a fresh run; a resumed one restores the captured reference from its checkpoint): the
+        actor as RL training starts, after setup-time warm starts. It runs before any forward of
+        the step, so under FSDP2 both models hold only their shards, placed alike, and the copy is
+        shard to shard. Afterwards the reference changes only through checkpoint loading.
+        """
+        assert self.reference_actor is not None  # only called with kl_coef > 0
+        sources = {
+            name.replace(WRAPPER_PREFIX, ""): tensor
+            for named in (self.actor.named_parameters(), self.actor.named_buffers())
+            for name, tensor in named
+        }
+        for named in (
+            self.reference_actor.named_parameters(),
+            self.reference_actor.named_buffers(),
+        ):
+            for name, tensor in named:
+                tensor.copy_(sources[name])
+        self._reference_captured = True
+
+    def _score_reference(
+        self, batch: RolloutBatch, plan: list[MicroBatch], temperature: float
+    ) -> torch.Tensor:
+        """``[B, T]`` log π_ref of ``batch`` under the frozen reference policy (call without
+        grad), micro-batch by micro-batch like the actor's proximal log-probs."""
+        reference = self.reference_actor
+        assert reference is not None  # only called with kl_coef > 0
+        logprobs = self._score(reference, batch, plan, temperature)
+        if isinstance(reference, FSDPModule):
+            # No backward ever runs through it: free the root's gathered parameters now.
+            reference.reshard()
+        return logprobs
 
     def _global_count(self, mask: torch.Tensor) -> torch.Tensor:
         """Action tokens of this minibatch summed over all data-parallel ranks (at least 1)."""
@@ -700,10 +853,13 @@ class BraceModule(pl.LightningModule):
             "numpy_rng": _numpy_state_to_plain(np.random.get_state()),
             RECORD_KEY: data_module_name(self._attached_datamodule()),
         }
+        if self.reference_actor is not None:
+            checkpoint["brace"]["reference_captured"] = self._reference_captured
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         state = checkpoint["brace"]
         check_same_data_module(checkpoint, state.get(RECORD_KEY), self._attached_datamodule())
+        self._load_reference_state(checkpoint)
         self.policy_version = int(state["policy_version"])
         self.rollout_step = int(state["rollout_step"])
         self._shuffle.set_state(state["shuffle"])
@@ -711,6 +867,30 @@ class BraceModule(pl.LightningModule):
         random.setstate(state["python_rng"])
         name, keys, pos, has_gauss, cached = state["numpy_rng"]
         np.random.set_state((name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+
+    def _load_reference_state(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the reference policy of the checkpointed run (its weights are in the state dict).
+
+        With ``kl_coef`` > 0 the checkpoint must hold a reference: a run saved without one has
+        lost its initial policy, and capturing the resumed actor instead would silently change
+        what the KL is measured against. With ``kl_coef`` = 0 a saved reference is dropped, so a
+        run can be resumed with the KL term off. Under FSDP2 Lightning loads the sharded state
+        dict before this hook, by the module's keys: a saved reference is then simply not read
+        with ``kl_coef`` = 0, and a missing one stops the load with torch's "Missing key in
+        checkpoint state_dict: state_dict.reference_actor..." instead of this method's sentence.
+        """
+        state = checkpoint["brace"]
+        weights = checkpoint.get("state_dict", {})
+        if self.reference_actor is None:
+            for key in [key for key in weights if key.startswith(REFERENCE_PREFIX)]:
+                del weights[key]
+            return
+        if "reference_captured" not in state:
+            raise ValueError(
+                f"kl_coef={self.kl_coef} needs a checkpoint that holds the reference policy; got "
+                "one saved with kl_coef=0 (resume it with kl_coef=0, or start a new run)."
+            )
+        self._reference_captured = bool(state["reference_captured"])
 
 
 def combine_rank_metrics(per_rank: list[dict[str, float]]) -> dict[str, float]:

@@ -118,15 +118,18 @@ class Recorder(Logger):
 
 
 class RankReport(pl.Callback):
-    """At the end of fit every rank writes ``rank<r>.json``; rank 0 also ``weights.pt``."""
+    """At the end of fit every rank writes ``rank<r>.json``; rank 0 also ``weights.pt``. The
+    frozen reference policy (``kl_coef`` > 0) is reported as a third model, ``reference_actor``."""
 
     def __init__(self, out: Path) -> None:
         self.out = out
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         weights = {}
-        for name in ("actor", "critic"):
-            model = getattr(pl_module, name)
+        for name in ("actor", "critic", "reference_actor"):
+            model = getattr(pl_module, name, None)
+            if model is None:
+                continue
             state = full_state_dict(model) if is_sharded(model) else model.state_dict()
             weights[name] = {k: v.detach().cpu().clone() for k, v in state.items()}
         recorder = [lg for lg in trainer.loggers if isinstance(lg, Recorder)]
@@ -143,6 +146,7 @@ class RankReport(pl.Callback):
                 for name, state in weights.items()
             },
             "metrics": recorder[0].rows if recorder else [],
+            "last_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "published": getattr(data, "versions", []),
             "counters": dict(getattr(data, "counters", {})),
             "prompt_stream": None if generator is None else _peek(generator),

@@ -122,7 +122,14 @@ def test_every_overlay_parses_on_top_of_the_quickstart(
     assert_contains(parsed_config(monkeypatch, QUICKSTART, path, *stand_ins), overlay)
 
 
-OBJECTIVE_OVERLAYS = sorted((CONFIGS / "objectives").glob("*.yaml"))
+#: Overlays of configs/objectives/ that select an actor objective; the other one there,
+#: kl_reference.yaml, adds the KL to the reference policy to whichever objective is selected.
+OBJECTIVE_OVERLAYS = sorted(
+    path
+    for path in (CONFIGS / "objectives").glob("*.yaml")
+    if "actor_objective" in yaml.safe_load(path.read_text())["model"]
+)
+KL_OVERLAY = CONFIGS / "objectives" / "kl_reference.yaml"
 
 
 def _class(class_path: str) -> type:
@@ -155,3 +162,18 @@ def test_there_is_one_objective_overlay_per_objective() -> None:
         and getattr(objectives, name) is not objectives.ActorObjective
     }
     assert sorted(selected) == sorted(exported)
+
+
+def test_the_kl_overlay_sets_only_the_kl_arguments_and_composes_with_an_objective(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert set((CONFIGS / "objectives").glob("*.yaml")) == {*OBJECTIVE_OVERLAYS, KL_OVERLAY}
+    text = KL_OVERLAY.read_text()
+    assert text.startswith("# Overlay: ")
+    assert set(yaml.safe_load(text)) == {"model"}
+    assert set(yaml.safe_load(text)["model"]) == {"kl_coef", "kl_estimator", "kl_mode"}
+    config = parsed_config(
+        monkeypatch, QUICKSTART, CONFIGS / "objectives" / "icepop.yaml", KL_OVERLAY
+    )
+    assert config["model"]["actor_objective"]["class_path"].endswith("IcePop")
+    assert config["model"]["kl_coef"] > 0

@@ -95,6 +95,25 @@ def test_load_from_checkpoint_restores_every_target_and_objective(tmp_path: Path
             assert torch.equal(loaded.state_dict()[name], value), name
 
 
+def test_load_from_checkpoint_restores_the_kl_arguments(tmp_path: Path) -> None:
+    # Non-default values each, so that a restored default would not pass.
+    cases = [(0.05, "k3", "loss"), (0.2, "k1", "reward"), (1.5, "k2", "loss")]
+    for i, (coef, estimator, mode) in enumerate(cases):
+        module = BraceModule(
+            kl_coef=coef,
+            kl_estimator=estimator,
+            kl_mode=mode,
+            tiny_hidden_size=32,
+            tiny_num_layers=1,
+        )
+        path = _checkpoint(module, tmp_path / f"kl{i}.ckpt")
+        loaded = BraceModule.load_from_checkpoint(path, weights_only=True)
+        assert (loaded.kl_coef, loaded.kl_estimator, loaded.kl_mode) == (coef, estimator, mode)
+        assert loaded.reference_actor is not None
+        for name, value in module.state_dict().items():
+            assert torch.equal(loaded.state_dict()[name], value), name
+
+
 @pytest.mark.slow
 def test_cli_checkpoint_restores_target_and_objective_and_writes_hparams_yaml(
     tmp_path: Path,

@@ -1,10 +1,11 @@
 """Actor-side objectives and the critic loss as pure functions of per-token tensors.
 
 Conventions (``docs/conventions.md``): every tensor is ``[B, T]``; ``mask`` is bool, True at actions.
-Every function returns :class:`~brace_lightning.objectives.base.ObjectiveOutput` whose
+Every loss function returns :class:`~brace_lightning.objectives.base.ObjectiveOutput` whose
 ``token_loss`` is to be **minimised**, is 0 at non-actions and at tokens a rule rejects; the
 LightningModule sums it and divides by the global action-token count, so rejected tokens stay in
-that denominator.
+that denominator. :func:`binary_kl` and :func:`kl_to_reference` (the KL to a frozen reference
+policy, a loss term or reward penalty of the module) return plain per-token tensors.
 
 Notation: µ behavior policy (engine), π_prox the trainer's policy at the start of the step, π_θ the
 current policy, A the advantage, r = π_θ/π_prox, w = π_prox/µ,
@@ -532,6 +533,60 @@ def estr(
         "score_sum": torch.where(mask, score, 0.0).sum()
     }
     return _finish(loss, stats, mask)
+
+
+#: Per-token estimators of KL(π_θ ‖ π_ref) accepted by :func:`kl_to_reference`.
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+
+def kl_to_reference(
+    logprobs: torch.Tensor,
+    reference_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    estimator: str = "k3",
+) -> torch.Tensor:
+    """Per-token estimate of KL(π_θ ‖ π_ref) on the taken tokens, 0 at non-actions.
+
+    With ℓ = log π_θ(y) − log π_ref(y) (clamped to ±20 like every log-ratio here) and
+    r = π_ref/π_θ = exp(−ℓ):
+
+    - ``"k1"``: ℓ (unbiased for tokens drawn from π_θ, can be negative per token);
+    - ``"k2"``: ½ ℓ² (biased, non-negative; its gradient is that of a squared log-ratio);
+    - ``"k3"``: r − 1 − log r = exp(−ℓ) − 1 + ℓ (unbiased and non-negative per token).
+
+    Source: Schulman 2020, "Approximating KL divergence"; the same estimators as verl's
+    ``kl_penalty`` (``kl``, ``mse``, ``low_var_kl``) and OpenRLHF's ``compute_approx_kl``. Used as a
+    loss term (GRPO, verl ``use_kl_loss``) or as a reward penalty (OpenRLHF, TRL PPO) by the
+    LightningModule.
+
+    Args:
+        logprobs: ``[B, T]`` log π_θ of the taken tokens (differentiable: the gradient of the
+            estimate flows into it).
+        reference_logprobs: ``[B, T]`` log π_ref of the same tokens (detached).
+        mask: ``[B, T]`` bool, True at actions.
+        estimator: one of :data:`KL_ESTIMATORS`.
+
+    Returns:
+        ``[B, T]`` per-token KL estimates in float32 at least, 0 at non-actions.
+
+    Raises:
+        ValueError: for an unknown ``estimator``, or (as every function here) a bad shape, dtype,
+            device or a non-finite value at an action.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(KL_ESTIMATORS)}; got {estimator!r}.")
+    logprobs, reference_logprobs = _prepare(
+        mask, logprobs=logprobs, reference_logprobs=reference_logprobs
+    )
+    log_ratio = _log_ratio(logprobs, reference_logprobs)
+    if estimator == "k1":
+        kl = log_ratio
+    elif estimator == "k2":
+        kl = 0.5 * log_ratio.square()
+    else:
+        kl = torch.exp(-log_ratio) - 1.0 + log_ratio
+    return torch.where(mask, kl, 0.0)
 
 
 def clipped_value_loss(
