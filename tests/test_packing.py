@@ -3,6 +3,8 @@ actor's log-probs, the critic's values, and the check that refuses models which 
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig
@@ -79,7 +81,7 @@ def test_packed_values_and_gradients_equal_padded():
         ids, mask = _batch(actor.config.vocab_size)
         weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
         results = []
-        for values_of in (critic, lambda i, m: packed_values(critic, i, m)):
+        for values_of in (critic, functools.partial(packed_values, critic)):
             critic.zero_grad(set_to_none=True)
             values = values_of(ids, mask)
             (values * weights).sum().backward()
