@@ -179,5 +179,5 @@ class ValueModel(nn.Module):
         ).last_hidden_state  # [B, T, H]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
         if attention_mask is None:
-            return values
+            return values.clone()  # not a view of the head's output (FSDP2 warns about views)
         return torch.where(attention_mask.bool(), values, torch.zeros_like(values))
