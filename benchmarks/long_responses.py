@@ -14,9 +14,11 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
 
    a. ``padded``: rows in arrival order, ``--padded-rows`` per micro-batch padded to the longest,
       full logits (the trainer before token budgets and chunked log-probs);
-   b. ``budget``: rows sorted by length in micro-batches of at most ``--max-tokens`` padded tokens
+   b. ``one``: the whole minibatch as one micro-batch padded to its longest row, chunked log-probs
+      (``BraceModule``'s defaults: no row cap, no budget);
+   c. ``budget``: rows sorted by length in micro-batches of at most ``--max-tokens`` padded tokens
       (rows × width), chunked log-probs (``max_tokens_per_micro_batch``);
-   c. ``packed``: rows sorted by length in micro-batches of at most ``--max-tokens`` real tokens,
+   d. ``packed``: rows sorted by length in micro-batches of at most ``--max-tokens`` real tokens,
       each run as one packed row, chunked log-probs (``pack_sequences=True``, ``models/packing.py``).
 
    tokens/s counts the real tokens; ratios are against (a) measured in the same process.
@@ -40,7 +42,12 @@ from collections.abc import Callable
 import torch
 from transformers import Qwen2Config
 
-from benchmarks._timing import in_mmap_subprocess, median_seconds, peak_extra_mib, positive_int
+from benchmarks._timing import (
+    in_mmap_subprocess,
+    interleaved_median_seconds,
+    peak_extra_mib,
+    positive_int,
+)
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.microbatch import MicroBatch, plan_micro_batches, widen
 from brace_lightning.models.packing import packed_token_logprobs, packed_values
@@ -124,6 +131,7 @@ def minibatch_update(
 #: Part 2's cases: name → (plan kind, log-probs chunk size from --chunk-size, packed rows).
 BATCH_CASES = {
     "batch/padded": ("arrival", False, False),
+    "batch/one": ("one", True, False),
     "batch/budget": ("budget", True, False),
     "batch/packed": ("packed", True, True),
 }
@@ -138,6 +146,7 @@ def batch_plans(args: argparse.Namespace, mask: torch.Tensor) -> dict[str, list[
             _window_of(torch.arange(start, min(start + args.padded_rows, rows)), mask)
             for start in range(0, rows, args.padded_rows)
         ],
+        "one": plan_micro_batches(mask),
         "budget": plan_micro_batches(mask, max_tokens=args.max_tokens),
         "packed": plan_micro_batches(mask, max_tokens=args.max_tokens, packed=True),
     }
@@ -236,15 +245,14 @@ def main() -> None:
     else:
         child = [*sys.argv[1:], "--memory-child"]
         memory = json.loads(in_mmap_subprocess("benchmarks.long_responses", child))
-    seconds = {
-        name: median_seconds(fn, repeats=args.repeats, warmup=1)
-        for name, (fn, _) in measured.items()
-    }
+    seconds = interleaved_median_seconds(
+        {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats
+    )
     print(
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}; "
         f"Qwen2.5-0.5B shape, {args.layers} layers, V={args.vocab}, float32; "
         f"chunk={args.chunk_size}; "
-        f"median of {args.repeats} runs (after 1 warm-up)"
+        f"median of {args.repeats} runs taken in turns (after 1 warm-up)"
     )
     if args.lengths:
         print()
@@ -284,6 +292,7 @@ def print_batch_table(
     print("|---|---|---|---|---|---|---|")
     labels = {
         "batch/padded": f"{args.padded_rows} rows in arrival order, padded, full logits",
+        "batch/one": "all rows in one micro-batch, padded, chunked",
         "batch/budget": f"sorted, {args.max_tokens} padded-token budget, chunked",
         "batch/packed": f"sorted, {args.max_tokens} real-token budget, packed, chunked",
     }

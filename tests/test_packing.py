@@ -1,10 +1,14 @@
 """Packed sequences (``models/packing.py``) against the padded path, Qwen2- and Llama-shaped: the
 actor's log-probs, the critic's values, the check that refuses models which cannot pack, and whole
-training steps with ``pack_sequences`` (and the fallback to padded rows)."""
+training steps with ``pack_sequences`` (and the fallback to padded rows), and a smoke run of the
+throughput benchmark (``benchmarks/long_responses.py``)."""
 
 from __future__ import annotations
 
 import functools
+import os
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -245,3 +249,26 @@ def test_a_model_that_cannot_pack_trains_on_padded_rows_after_one_sentence(
     for name, model in (("actor", module.actor), ("critic", module.critic)):
         for key, value in weights(model).items():
             assert torch.equal(value, padded[name][key]), key
+
+
+@pytest.mark.slow
+def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() -> None:
+    root = Path(__file__).resolve().parents[1]
+    quick = "--layers 1 --vocab 1000 --lengths 16 --rows 4 --batch-lengths 8 64 --max-tokens 96"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.long_responses", *quick.split(), "--repeats", "1"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("| 16 | chunked |") for line in lines), done.stdout
+    assert "4 responses, log-uniform 8..64 (seed 0): 170 tokens, longest 60" in done.stdout
+    # Rows of 60, 35, 21 and 54 tokens: padded under 96 tokens, 60 + 54 + 2 × 35 are computed in
+    # 3 forwards; packed, only the 170 real ones, in 3 forwards (60 | 54 + 35 | 21).
+    table = {line.split(" | ")[0]: line.split(" | ")[1:3] for line in lines if "budget" in line}
+    assert table["| sorted, 96 padded-token budget, chunked"] == ["3", "184"]
+    assert table["| sorted, 96 real-token budget, packed, chunked"] == ["3", "170"]

@@ -10,7 +10,7 @@ cumulative sequence lengths to flash-attention varlen kernels, so no token atten
 
 Not every model reads the restarts: a forward without ``position_ids`` (ALiBi models such as
 BLOOM or MPT), an attention implementation transformers builds no mask for, or modelling code that
-does not pass the position ids to its mask (Falcon, OPT) would let tokens attend across rows.
+does not pass the position ids to its mask (Falcon) would let tokens attend across rows.
 :func:`packing_problem` finds such a model before it is used packed: besides the static checks it
 runs the model once on two short rows, packed and one by one, and compares the final hidden states.
 """
@@ -131,7 +131,7 @@ def packing_problem(model: nn.Module) -> str | None:
     log-probs use the chunked path), and then runs the model (eval mode, no grad) on a 4-token and
     a 6-token row: the second row's final hidden states, packed behind the first, must equal those
     of the row alone up to :data:`PROBE_TOLERANCE` times the change that attending to the first
-    row causes (catches modelling code that ignores the restarts, such as Falcon's and OPT's).
+    row causes (catches modelling code that ignores the restarts, such as Falcon's).
 
     Args:
         model: a Hugging Face causal LM or a :class:`~brace_lightning.models.critic.ValueModel`,
