@@ -82,14 +82,23 @@ def test_score_rows_equals_one_call_and_widen_pads():
 
 
 @pytest.mark.slow
-def test_token_budget_step_equals_one_big_batch(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_budget_step_equals_one_big_batch(tmp_path, packed):
     """One rollout step with a 40-token budget ends at the same actor and critic weights as one
     big batch. Rows are prompt + up to 12 response tokens (20-30 columns), so the budget cuts the
-    8 rows into micro-batches of one or two, the scoring forwards included."""
+    8 rows into micro-batches of one or two, the scoring forwards included; with
+    ``--model.pack_sequences=true`` the budget counts real tokens and the rows run packed."""
     whole = run(small_run(tmp_path / "a", "--data.lag=0", steps=1))
     budget = run(
-        small_run(tmp_path / "b", "--data.lag=0", "--model.max_tokens_per_micro_batch=40", steps=1)
+        small_run(
+            tmp_path / "b",
+            "--data.lag=0",
+            "--model.max_tokens_per_micro_batch=40",
+            f"--model.pack_sequences={str(packed).lower()}",
+            steps=1,
+        )
     )
+    assert budget.model._packs is packed
     a, b = actor_weights(whole), actor_weights(budget)
     initial = load_actor(
         TINY, tokenizer=load_tokenizer(TINY), hidden_size=64, num_layers=1, seed=0
