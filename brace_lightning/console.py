@@ -3,7 +3,8 @@
 Each silenced message is named with its cause; nothing is filtered by category or by package.
 
 * Lightning's "💡 Tip" advertisements for its hosted services (two per ``fit``) are dropped from
-  Lightning's rank-zero logger (:func:`quiet_lightning`, installed by the CLI).
+  Lightning's rank-zero logger (:func:`quiet_lightning`, installed by the CLI and by
+  ``BraceModule``, which is built before the trainer in Python).
 * Two warnings about the ``dataloader_iter`` argument of ``training_step``: the module takes exactly
   one rollout batch from the iterator per step (a step is one PPO update), so ``batch_idx`` and the
   loop's counters are right — the case the warnings say is safe.
@@ -60,7 +61,7 @@ _DROP_TIPS = _DropTips()
 
 def quiet_lightning() -> None:
     """Drop Lightning's tips from its rank-zero loggers and silence the harmless warnings
-    (idempotent; the CLI calls it before building the trainer)."""
+    (idempotent; the CLI and ``BraceModule.__init__`` call it)."""
     for name in LIGHTNING_RANK_ZERO_LOGGERS:
         logger = logging.getLogger(name)
         if _DROP_TIPS not in logger.filters:

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
 from brace_lightning.checks import require_int
-from brace_lightning.console import silence_harmless_warnings
+from brace_lightning.console import quiet_lightning
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.hparams import from_config, log_final_hparams, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
@@ -208,7 +208,7 @@ class BraceModule(pl.LightningModule):
         kl_mode: str = "loss",
     ) -> None:
         super().__init__()
-        silence_harmless_warnings()  # Lightning's dataloader_iter notes (brace_lightning.console)
+        quiet_lightning()  # tips and dataloader_iter notes, also for Python-API users (console.py)
         for name, value, low in (
             ("ppo_epochs", ppo_epochs, 1),
             ("num_minibatches", num_minibatches, 1),

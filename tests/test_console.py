@@ -106,3 +106,27 @@ def test_vllm_runs_at_warning_level_without_the_expected_warnings(tmp_path: Path
     for messages in EXPECTED_VLLM_WARNINGS.values():
         for message in messages:
             assert message not in out, message
+
+
+def test_python_api_users_get_no_tips_either(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import logging
+
+    import lightning.pytorch as pl
+
+    from brace_lightning import console
+    from brace_lightning.module import BraceModule
+
+    for name in console.LIGHTNING_RANK_ZERO_LOGGERS:  # as in a fresh process (the CLI may have run)
+        logging.getLogger(name).removeFilter(console._DROP_TIPS)
+    # built before the trainer, as in the tutorials
+    BraceModule(tiny_hidden_size=32, tiny_num_layers=1)
+    with caplog.at_level(logging.INFO):
+        pl.Trainer(
+            accelerator="cpu",
+            logger=pl.loggers.TensorBoardLogger(tmp_path),
+            enable_progress_bar=False,
+        )
+    assert any("GPU available" in record.getMessage() for record in caplog.records)
+    assert not [r for r in caplog.records if r.getMessage().startswith("💡 Tip:")]
