@@ -10,10 +10,11 @@ by their number of real tokens (longest first) and fills each micro-batch greedi
 
 With ``packed=True`` (the trainer's ``pack_sequences``: a micro-batch runs as one row of its real
 tokens, ``models/packing.py``) the budget counts real tokens only: their sum over the micro-batch's
-rows stays within ``max_tokens``. A row longer than ``max_tokens`` gets a micro-batch of its own. The plan changes only how the
-minibatch is cut, never what is computed: the trainer sums per-token losses and divides by the
-minibatch's global action-token count, so losses and gradients do not depend on the budget (up to
-float round-off; ``tests/test_microbatch.py`` checks it against one big batch).
+rows stays within ``max_tokens``. A row above ``max_tokens`` gets a micro-batch of its own. The
+plan changes only how the minibatch is cut, never what is computed: the trainer sums per-token
+losses and divides by the minibatch's global action-token count, so losses and gradients do not
+depend on the budget (up to float round-off; ``tests/test_microbatch.py`` checks it against one big
+batch, ``tests/test_packing.py`` packed against padded).
 
 Under data parallelism every rank must run the same number of forwards (FSDP2 gathers weights in
 each) and backwards (DDP reduces gradients in each). :func:`equalize` splits a rank's plan until it
@@ -81,8 +82,9 @@ def plan_micro_batches(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"plan_micro_batches got {name}={value!r}; expected None or >= 1.")
     real = attention_mask.bool().cpu()
-    lengths = real.sum(dim=1).tolist()
-    order = torch.argsort(real.sum(dim=1), descending=True, stable=True)
+    counts = real.sum(dim=1)
+    lengths = counts.tolist()
+    order = torch.argsort(counts, descending=True, stable=True)
     plan: list[MicroBatch] = []
     rows: list[int] = []
     union = torch.zeros(real.shape[1], dtype=torch.bool)
