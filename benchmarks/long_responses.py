@@ -1,4 +1,4 @@
-"""Long responses at a real vocabulary: full vs chunked log-probs, padded vs budgeted vs packed rows.
+"""Long responses at a real vocabulary: full vs chunked log-probs; padded, budgeted, packed rows.
 
 A Qwen2.5-0.5B-shaped model (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864, V = 151,936, tied
 embeddings; random weights from the config, nothing downloaded; ``--layers`` cuts the depth,
@@ -9,8 +9,8 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
    float32 path (``chunk_size=None``) against the chunked path (``chunk_size=--chunk-size``).
 2. A minibatch of ``--rows`` responses with lengths drawn log-uniformly from ``--batch-lengths``
    (seeded): tokens/s of one PPO minibatch update's forwards and backwards, the actor loss
-   (``−Σ A · log π``) and, unless ``--no-critic``, the critic's squared error (a backbone of the same
-   shape with a value head), micro-batch by micro-batch:
+   (``−Σ A · log π``) and, unless ``--no-critic``, the critic's squared error (a backbone of the
+   same shape with a value head), micro-batch by micro-batch:
 
    a. ``padded``: rows in arrival order, ``--padded-rows`` per micro-batch padded to the longest,
       full logits (the trainer before token budgets and chunked log-probs);
@@ -19,7 +19,8 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
    c. ``budget``: rows sorted by length in micro-batches of at most ``--max-tokens`` padded tokens
       (rows × width), chunked log-probs (``max_tokens_per_micro_batch``);
    d. ``packed``: rows sorted by length in micro-batches of at most ``--max-tokens`` real tokens,
-      each run as one packed row, chunked log-probs (``pack_sequences=True``, ``models/packing.py``).
+      each run as one packed row, chunked log-probs (``pack_sequences=True``,
+      ``models/packing.py``).
 
    tokens/s counts the real tokens; ratios are against (a) measured in the same process.
 

@@ -158,7 +158,7 @@ class ValueModel(nn.Module):
 
         Args:
             input_ids: ``[B, T]`` long, prompts left-padded.
-            attention_mask: ``[B, T]`` bool or integer, True at real tokens; None = every token real.
+            attention_mask: ``[B, T]`` bool or integer, True at real tokens; None = all real.
             position_ids: ``[B, T]`` long; None = derived from ``attention_mask``.
 
         Returns:
