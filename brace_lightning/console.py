@@ -49,14 +49,20 @@ def silence_harmless_warnings() -> None:
         warnings.filterwarnings("ignore", message=message)
 
 
-class _DropTips(logging.Filter):
-    """Drops Lightning's "💡 Tip:" advertisements."""
+class DropMessages(logging.Filter):
+    """Drops log records whose message starts with one of ``messages`` (a logger's filter, so it
+    holds whichever handlers the library installs later)."""
+
+    def __init__(self, messages: tuple[str, ...]) -> None:
+        super().__init__()
+        self.messages = messages
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("💡 Tip:")
+        return not record.getMessage().startswith(self.messages)
 
 
-_DROP_TIPS = _DropTips()
+#: Lightning's "💡 Tip:" advertisements.
+_DROP_TIPS = DropMessages(("💡 Tip:",))
 
 
 def quiet_lightning() -> None:

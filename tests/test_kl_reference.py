@@ -25,7 +25,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader
 
 from brace_lightning.cli import run
 from brace_lightning.logs import read_scalars
@@ -36,6 +36,7 @@ from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.targets import GAE
 from tests.dist_support import one_process_group
+from tests.parallel_driver import _Repeat
 from tests.test_parallel import _cli, _driver
 from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
@@ -194,15 +195,6 @@ def fixed_batch(seed: int = 0) -> RolloutBatch:
         scores=torch.rand(rows, generator=g),
         group_ids=torch.arange(rows) // 2,
     )
-
-
-class _Repeat(IterableDataset):
-    def __init__(self, batch: RolloutBatch) -> None:
-        self.batch = batch
-
-    def __iter__(self) -> Iterator[RolloutBatch]:
-        while True:
-            yield self.batch
 
 
 class OneBatch(pl.LightningDataModule):

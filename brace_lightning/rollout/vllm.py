@@ -37,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from brace_lightning.console import DropMessages
 from brace_lightning.rollout.embedded import _default_stop_ids
 from brace_lightning.rollout.engine import (
     FinishReason,
@@ -105,17 +106,6 @@ EXPECTED_VLLM_WARNINGS: dict[str, tuple[str, ...]] = {
 }
 
 
-class _DropMessages(logging.Filter):
-    """Drops records whose message starts with one of ``messages``."""
-
-    def __init__(self, messages: tuple[str, ...]) -> None:
-        super().__init__()
-        self.messages = messages
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not record.getMessage().startswith(self.messages)
-
-
 def quiet_vllm_logging() -> None:
     """vLLM at warning level without :data:`EXPECTED_VLLM_WARNINGS`, unless the user set
     ``VLLM_LOGGING_LEVEL`` (then vLLM says everything at that level). Call before importing vllm;
@@ -124,7 +114,7 @@ def quiet_vllm_logging() -> None:
         return
     os.environ["VLLM_LOGGING_LEVEL"] = "WARNING"
     for name, messages in EXPECTED_VLLM_WARNINGS.items():
-        logging.getLogger(name).addFilter(_DropMessages(messages))
+        logging.getLogger(name).addFilter(DropMessages(messages))
 
 
 def import_vllm() -> Any:
