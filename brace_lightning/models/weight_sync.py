@@ -4,11 +4,13 @@
 rank before anyone uses it: each rank then holds one extra full copy of the model (28–128 GB at
 7B–32B in fp32). :func:`gathered_buckets` yields the same tensors a few at a time instead: the
 state dict is cut into buckets of at most ``bucket_bytes`` (a tensor larger than that is a bucket of
-its own), every rank takes part in one gather per bucket, and only the receiving ranks build the
-full tensors of that bucket; the caller hands each bucket on (to an engine, a weight slot) and drops
-it before the next one is gathered. With ``dst=None`` every rank receives (each rank's own engine
-needs the weights); with ``dst=r`` only global rank ``r`` does (``torch.distributed.gather``), and
-the other ranks only send their shards of the bucket, about ``bucket_bytes / world_size`` each.
+its own), every rank takes part in the gathers of one bucket (one collective per tensor, as
+``full_state_dict``), and only the receiving ranks hold the full tensors of that bucket; the caller
+hands each bucket on (to an engine, a weight slot) and drops it before the next one is gathered.
+With ``dst=None`` every rank receives (each rank's own engine needs the weights); with ``dst=r``
+only global rank ``r`` does (``torch.distributed.gather``), and the other ranks only send their
+shards (no copy, except the zero padding of a short last shard). Tied parameters (the embedding and
+the LM head) are gathered once and given under both names.
 
 The tensors are the bytes of each rank's dim-0 shard put back in rank order, so they are
 bit-identical to ``DTensor.full_tensor()`` (the tests compare them with ``full_state_dict``).
@@ -33,6 +35,9 @@ from brace_lightning.models.health import nonfinite_message, nonfinite_names
 DEFAULT_BUCKET_MB = 512
 
 MIB = 2**20
+
+#: The prefix ``checkpoint_wrapper`` adds to parameter names (removed from state-dict keys).
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
 def bucket_bytes_from_mb(value: object, name: str = "weight_sync_bucket_mb") -> int | None:
@@ -112,6 +117,21 @@ def _receives(dst: int | None) -> bool:
     return (dist.get_rank() if dist.is_initialized() else 0) == dst
 
 
+def tied_aliases(model: nn.Module) -> dict[str, str]:
+    """``{state-dict name: first name of the same parameter}`` for tied parameters (e.g.
+    ``lm_head.weight`` -> ``model.embed_tokens.weight`` with tied embeddings); the same on every
+    rank, as it comes from the module tree."""
+    first: dict[int, str] = {}
+    aliases: dict[str, str] = {}
+    for raw, param in model.named_parameters(remove_duplicate=False):
+        name = raw.replace(WRAPPER_PREFIX, "")
+        if id(param) in first:
+            aliases[name] = first[id(param)]
+        else:
+            first[id(param)] = name
+    return aliases
+
+
 def gathered_buckets(
     model: nn.Module, *, bucket_bytes: int, dst: int | None = None
 ) -> Iterator[dict[str, torch.Tensor]]:
@@ -125,98 +145,81 @@ def gathered_buckets(
             others yield nothing but still take part in every gather.
 
     Yields:
-        On receiving ranks, ``{name: full tensor}`` per bucket, keys in ``state_dict`` order
-        (Hugging Face names, as :func:`~brace_lightning.models.parallelize.full_state_dict`).
-        Every rank must exhaust the iterator (see the module docstring).
+        On receiving ranks, ``{name: full tensor}`` per bucket: the state dict's names (Hugging
+        Face names, as :func:`~brace_lightning.models.parallelize.full_state_dict`) in order,
+        except that a tied parameter's second name comes right after its first, with the same
+        tensor (gathered once). Every rank must exhaust the iterator (module docstring).
 
     Raises:
         ValueError: for a ``dst`` outside the ranks or ``bucket_bytes`` < 1.
     """
     _check_dst(dst)
     state = model.state_dict()
-    plan = plan_buckets(state, bucket_bytes)
+    aliases = {a: f for a, f in tied_aliases(model).items() if a in state and f in state}
+    unique = {name: t for name, t in state.items() if name not in aliases}
+    plan = plan_buckets(unique, bucket_bytes)
     receives = _receives(dst)
     for names in plan:
-        bucket = _gather_bucket({name: state[name] for name in names}, dst, receives)
+        bucket: dict[str, torch.Tensor] = {}
+        for name in names:
+            full = _gather_tensor(unique[name], dst, receives)
+            if full is not None:
+                bucket[name] = full
+                bucket.update({a: full for a, f in aliases.items() if f == name})
         if receives:
             yield bucket
 
 
 @torch.no_grad()
-def _gather_bucket(
-    tensors: dict[str, torch.Tensor], dst: int | None, receives: bool
-) -> dict[str, torch.Tensor]:
-    """One bucket: the dim-0 shards of all its sharded tensors in one flat byte buffer per rank,
-    one ``all_gather`` (``dst`` None) or ``gather`` to ``dst``; other tensors handled alone."""
-    out: dict[str, torch.Tensor] = {}
-    flat = [name for name, t in tensors.items() if _is_dim0_sharded(t)]
-    if flat:
-        first = tensors[flat[0]]
-        assert isinstance(first, DTensor)
-        mesh = first.device_mesh
-        flat = [n for n in flat if tensors[n].device_mesh == mesh]  # type: ignore[attr-defined]
-        _gather_flat({n: tensors[n] for n in flat}, mesh.get_group(), dst, receives, out)
-    for name, tensor in tensors.items():
-        if name in out or (name in flat and not receives):
-            continue
-        if isinstance(tensor, DTensor):  # another placement: the DTensor's own all-gather
-            tensor = tensor.full_tensor()
-        if receives:
-            out[name] = tensor.detach().to("cpu", copy=True)
-    return {name: out[name] for name in tensors if name in out}
+def _gather_tensor(tensor: torch.Tensor, dst: int | None, receives: bool) -> torch.Tensor | None:
+    """The full CPU tensor of one state-dict entry on a receiving rank, None on the others.
 
-
-def _gather_flat(
-    tensors: dict[str, torch.Tensor],
-    group: dist.ProcessGroup,
-    dst: int | None,
-    receives: bool,
-    out: dict[str, torch.Tensor],
-) -> None:
+    A dim-0 sharded DTensor is gathered with one ``all_gather`` (``dst`` None) or ``gather`` into
+    a ``[world, rows per rank]`` buffer whose first rows are the full tensor (torch.chunk puts the
+    padding last), which is returned as a view: no copy beyond the gather. Another DTensor uses
+    its own ``full_tensor()``; a plain (replicated) tensor is copied."""
+    if not _is_dim0_sharded(tensor):
+        if isinstance(tensor, DTensor):
+            tensor = tensor.full_tensor()  # a collective on every rank
+        return tensor.detach().to("cpu", copy=True) if receives else None
+    assert isinstance(tensor, DTensor)
+    group = tensor.device_mesh.get_group()
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
-    layout: list[tuple[str, int, int, int]] = []  # name, offset, padded bytes per rank, bytes
-    offset = 0
-    for name, tensor in tensors.items():
-        rows = tensor.shape[0]
-        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
-        padded = math.ceil(rows / world) * row_bytes  # torch.chunk: full chunks, then the rest
-        layout.append((name, offset, padded, rows * row_bytes))
-        offset += padded
-    first = next(iter(tensors.values()))
-    assert isinstance(first, DTensor)
-    device = first.to_local().device
-    send = torch.zeros(offset, dtype=torch.uint8, device=device)
-    for (name, start, padded, total), tensor in zip(layout, tensors.values(), strict=True):
-        assert isinstance(tensor, DTensor)
-        local = tensor.to_local().detach().contiguous().reshape(-1).view(torch.uint8)
-        expected = max(0, min(padded, total - rank * padded))
-        if local.numel() != expected:
-            raise ValueError(
-                f"gathered_buckets: the shard of {name!r} on rank {rank} has {local.numel()} "
-                f"bytes; expected {expected} (torch.chunk sharding on dim 0)."
-            )
-        send[start : start + local.numel()].copy_(local)
-    gathered = torch.empty((world, offset), dtype=torch.uint8, device=device) if receives else None
+    shape = tuple(tensor.shape)
+    chunk = math.ceil(shape[0] / world) if shape[0] else 0
+    local = tensor.to_local().detach()
+    rows = max(0, min(chunk, shape[0] - rank * chunk))
+    if tuple(local.shape) != (rows, *shape[1:]):
+        raise ValueError(
+            f"gathered_buckets got a shard of shape {tuple(local.shape)} on rank {rank}; expected "
+            f"{(rows, *shape[1:])} (torch.chunk sharding of {shape} on dim 0)."
+        )
+    send = local.contiguous()
+    if rows < chunk:  # the last shards: pad to the common size of the gather
+        padded = torch.zeros((chunk, *shape[1:]), dtype=send.dtype, device=send.device)
+        padded[:rows] = send
+        send = padded
+    send_bytes = send.reshape(-1).view(torch.uint8)
+    gathered = (
+        torch.empty((world, send_bytes.numel()), dtype=torch.uint8, device=send.device)
+        if receives
+        else None
+    )
     if dst is None:
         assert gathered is not None
-        dist.all_gather(list(gathered.unbind(0)), send, group=group)
+        # all_gather_single (torch >= 2.13) is the new name of all_gather_into_tensor
+        all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        all_gather(gathered.view(-1), send_bytes, group=group)
     else:
+        parts = None if gathered is None else list(gathered.unbind(0))
         group_dst = dist.get_group_rank(group, dst)
-        parts = list(gathered.unbind(0)) if gathered is not None else None
-        dist.gather(send, gather_list=parts, group=group, group_dst=group_dst)
-    del send
+        dist.gather(send_bytes, gather_list=parts, group=group, group_dst=group_dst)
     if gathered is None:
-        return
-    for (name, start, padded, total), tensor in zip(layout, tensors.values(), strict=True):
-        full = torch.empty(tuple(tensor.shape), dtype=tensor.dtype)
-        full_bytes = full.reshape(-1).view(torch.uint8)
-        for source in range(world):
-            lo = source * padded
-            hi = min(lo + padded, total)
-            if hi > lo:
-                full_bytes[lo:hi].copy_(gathered[source, start : start + hi - lo])
-        out[name] = full
+        return None
+    full_bytes = math.prod(shape) * tensor.element_size()
+    full = gathered.reshape(-1)[:full_bytes].view(tensor.dtype).view(shape)
+    return full if full.device.type == "cpu" else full.to("cpu")
 
 
 def gather_state_dict(
