@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,8 +39,10 @@ from brace_lightning.models.parallelize import (
     unsharded_copy,
 )
 from brace_lightning.models.policy import token_logprobs
+from brace_lightning.models.weight_sync import gather_state_dict, gathered_buckets, plan_buckets
 from brace_lightning.module import BraceModule, combine_rank_metrics
 from brace_lightning.objectives import PPOEWMA
+from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 from tests.dist_support import one_process_group
 
@@ -186,6 +189,120 @@ def test_data_module_state_is_kept_per_rank() -> None:
     with pytest.raises(ValueError, match="holds the state of 1 rank"):
         rank_state(two, state)
     assert gather_rank_states(SimpleNamespace(trainer=None), state) is state
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "64"])
+def test_publish_bucket_size_must_be_none_or_a_positive_integer(bad: object) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"^weight_sync_bucket_mb must be None \(gather the whole state dict at once\) or an "
+        rf"integer number of MiB >= 1; got {re.escape(repr(bad))}\.$",
+    ):
+        BraceModule(tiny_hidden_size=64, tiny_num_layers=1, weight_sync_bucket_mb=bad)
+
+
+def test_publish_bucket_plan_keeps_the_order_and_puts_a_large_tensor_alone() -> None:
+    state = {
+        "a": torch.zeros(4),  # 16 bytes
+        "b": torch.zeros(4),
+        "big": torch.zeros(100),  # 400 bytes, larger than a bucket
+        "c": torch.zeros(2),
+        "d": torch.zeros(8),
+    }
+    assert plan_buckets(state, 40) == [["a", "b"], ["big"], ["c", "d"]]
+    assert plan_buckets(state, 1) == [["a"], ["b"], ["big"], ["c"], ["d"]]
+    with pytest.raises(ValueError, match=r"^plan_buckets got bucket_bytes=0; expected an int >= 1"):
+        plan_buckets(state, 0)
+
+
+def test_publish_buckets_on_one_rank_equal_full_state_dict_with_tied_weights_once(
+    mesh: DeviceMesh,
+) -> None:
+    actor = parallelize(tiny_actor(layers=2), mesh, activation_checkpointing=True)
+    reference = full_state_dict(actor)
+    buckets = list(gathered_buckets(actor, bucket_bytes=5000))
+    assert len(buckets) > 2
+    merged = {name: t for bucket in buckets for name, t in bucket.items()}
+    assert set(merged) == set(reference) and len(merged) == sum(len(b) for b in buckets)
+    assert all(torch.equal(merged[name], reference[name]) for name in reference)
+    # tied embeddings: gathered once, given under both names in the same bucket
+    assert merged["lm_head.weight"] is merged["model.embed_tokens.weight"]
+    with pytest.raises(
+        ValueError,
+        match=r"^gathered_buckets got dst=1; expected None \(every rank receives\) or a global "
+        r"rank in \[0, 1\)\.$",
+    ):
+        next(gathered_buckets(actor, bucket_bytes=5000, dst=1))
+    assert gather_state_dict(actor, bucket_bytes=5000, dst=0) is not None
+
+
+class _WholeDictData:
+    """A data module that takes whole state dicts only (no ``publish_buckets``)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[dict[str, torch.Tensor], int]] = []
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.published.append((weights, version))
+
+
+class _FirstBucketData(_WholeDictData):
+    """Takes the first bucket of each stream and leaves the rest (the module must drain it)."""
+
+    def publish_buckets(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> None:
+        self.published.append((next(iter(buckets)), version))
+
+
+def test_publish_from_a_sharded_module_streams_falls_back_and_checks_finiteness(
+    mesh: DeviceMesh,
+) -> None:
+    module = BraceModule(tiny_hidden_size=64, tiny_num_layers=1, weight_sync_bucket_mb=1)
+    parallelize(module.actor, mesh)
+    reference = full_state_dict(module.actor)
+    for bucket_mb in (1, None):  # buckets, then the old whole-dict path
+        module.weight_sync_bucket_mb = bucket_mb
+        whole = _WholeDictData()
+        module._trainer = SimpleNamespace(datamodule=whole)  # type: ignore[assignment]
+        module._publish()
+        [(weights, version)] = whole.published
+        assert version == module.policy_version and set(weights) == set(reference)
+        assert all(torch.equal(weights[name], reference[name]) for name in reference)
+    module.weight_sync_bucket_mb = 1
+    first = _FirstBucketData()
+    module._trainer = SimpleNamespace(datamodule=first)  # type: ignore[assignment]
+    module._publish()  # the stream is run to its end although the data module stopped early
+    assert len(first.published) == 1
+    with torch.no_grad():
+        module.actor.model.norm.weight.to_local()[0] = float("nan")
+    with pytest.raises(
+        FloatingPointError,
+        match=r"^the actor's weights became non-finite at rollout step -1 \(1 of \d+ tensors, "
+        r"first 'model.norm.weight'\)",
+    ):
+        module._publish()
+    assert len(first.published) == 1  # nothing was published
+
+
+def test_publish_buckets_to_a_lagged_data_module_keeps_the_gathered_tensors() -> None:
+    actor = tiny_actor(layers=1)
+    data = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward(), lag=1)
+    data.engine = EmbeddedEngine(actor)
+    data._history[0] = {k: v.clone() for k, v in actor.state_dict().items()}
+
+    def version(value: float) -> list[dict[str, torch.Tensor]]:
+        names = list(actor.state_dict())
+        weights = {k: torch.full_like(v, value) for k, v in actor.state_dict().items()}
+        return [{n: weights[n] for n in names[:3]}, {n: weights[n] for n in names[3:]}]
+
+    first = version(1.0)
+    data.publish_buckets(iter(first), 1)
+    assert data.engine.version == 0  # lag 1: the engine still samples with version 0
+    assert data._history[1]["model.norm.weight"] is first[1]["model.norm.weight"]  # not copied
+    data.publish_buckets(iter(version(2.0)), 2)
+    assert data.engine.version == 1 and sorted(data._history) == [1, 2]
+    assert all(bool((t == 1.0).all()) for t in data.engine.model.state_dict().values())
+    with pytest.raises(ValueError, match=r"^publish got version=2; expected a version above"):
+        data.publish_buckets(iter(version(3.0)), 2)
 
 
 # ---------------------------------------------------------------------- multi-process runs
