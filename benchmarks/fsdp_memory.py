@@ -2,7 +2,7 @@
 publishing the actor's weights to the rollout engines.
 
     python -m benchmarks.fsdp_memory [--layers 24] [--ranks 2] [--device cpu|cuda] [--folder DIR]
-        [--paths today meta] [--publish full buckets rank0] [--bucket-mb 64 512]
+        [--paths today meta] [--load-only] [--publish full buckets rank0] [--bucket-mb 64 512]
 
 A Qwen2.5-0.5B-shaped model (hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocabulary
 151,936, tied embeddings; ``--layers`` blocks) with random weights is written once to a safetensors
@@ -175,6 +175,11 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
         actor = load_sharded_actor(args.folder, mesh, device=device)
         critic = load_sharded_critic(args.folder, mesh, device=device)
     loaded_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    if args.load_only:  # no optimizer step: nan for the step's columns
+        elapsed = time.perf_counter() - start
+        torch.save((loaded_peak, float("nan"), elapsed), out / f"{path}-{rank}.pt")
+        dist.destroy_process_group()
+        return
     optimizer = torch.optim.AdamW([*actor.parameters(), *critic.parameters()], lr=1e-6)
     ids = torch.randint(3, 1000, (2, 32), generator=torch.Generator().manual_seed(rank)).to(device)
     attn = torch.ones_like(ids)
@@ -200,6 +205,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--folder", type=Path, default=None, help="checkpoint cache folder")
     parser.add_argument("--paths", nargs="*", choices=PATHS, default=list(PATHS))
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="construction paths stop after loading (no AdamW step: its states need 16 bytes "
+        "per parameter / ranks)",
+    )
     parser.add_argument(
         "--publish", nargs="*", choices=PUBLISH, default=list(PUBLISH), help="publish paths (CPU)"
     )
@@ -257,8 +268,10 @@ def _print_construction(
         f"{args.ranks} ranks, {args.device}; worst rank; accounting (sharded params+grads+AdamW "
         f"+ one gathered unit per model) {accounted / GIB:.2f} GiB"
     )
+    until = "end of loading" if args.load_only else "step 1"
     print(
-        f"| path | {memory}, load (GiB) | x actor fp32 | through step 1 (GiB) | time to step 1 (s) |"
+        f"| path | {memory}, load (GiB) | x actor fp32 | through step 1 (GiB) | time to {until} "
+        "(s) |"
     )
     print("|---|---|---|---|---|")
     for path, (loaded, stepped, elapsed) in results.items():

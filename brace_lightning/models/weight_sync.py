@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from brace_lightning.models.health import nonfinite_message, nonfinite_names
 
-#: Default of ``model.weight_sync_bucket_mb``: tensors gathered together per collective (MiB).
+#: Default of ``model.weight_sync_bucket_mb``: the most bytes of full tensors held at once (MiB).
 DEFAULT_BUCKET_MB = 512
 
 MIB = 2**20
