@@ -354,17 +354,21 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize(
+    ("strategy", "pack"), [("fsdp", False), ("ddp", False), ("fsdp", True), ("ddp", True)]
+)
 def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
-    strategy: str, single_run: Path, tmp_path: Path
+    strategy: str, pack: bool, single_run: Path, tmp_path: Path
 ) -> None:
     # A 12-token budget cuts rank 0's rows into 3 micro-batches and rank 1's into 4: rank 0 splits
     # one more so both run the same number of forwards and backwards (FSDP2 and DDP need it), and
-    # the result must still equal the single process's, which has no budget.
-    common = ("--devices", "2", "--steps", "2", "--max-tokens", "12")
+    # the result must still equal the single process's, which has no budget. With packing the
+    # budget counts real tokens (here the same plans) and every forward runs on packed rows.
+    common = ("--devices", "2", "--steps", "2", "--max-tokens", "12", *(["--pack"] if pack else []))
     reports = _driver(tmp_path, "fixed", "--strategy", strategy, *common)
     _assert_ranks_agree(reports)
     assert reports[0]["sharded"] is (strategy == "fsdp")
+    assert reports[0]["packed"] is pack
     assert reports[0]["published"] == [1, 2]  # full, unsharded weights after every step
     single, initial = _weights(single_run), BraceModule(tiny_hidden_size=64, tiny_num_layers=2)
     parallel = _weights(tmp_path)
