@@ -75,6 +75,14 @@ from brace_lightning.models.parallelize import (
 )
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
+from brace_lightning.models.weight_sync import (
+    DEFAULT_BUCKET_MB,
+    bucket_bytes_from_mb,
+    collect_buckets,
+    drain,
+    gathered_buckets,
+    require_finite_shards,
+)
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
@@ -162,6 +170,12 @@ class BraceModule(pl.LightningModule):
         fsdp_meta_init: under FSDP2, keep actor and critic on the meta device until
             ``configure_model`` shards them, then each rank allocates and reads only its shards
             (``docs/fsdp.md``).
+        weight_sync_bucket_mb: under FSDP2, the actor's weights are gathered for the rollout
+            engines in buckets of at most this many MiB (a larger tensor is a bucket alone), each
+            handed to the data module's ``publish_buckets`` (the engine or a weight slot) and
+            dropped before the next, so a rank holds at most about two buckets beyond its shards
+            and its engine; None gathers the whole state dict on every rank first (the old path,
+            one extra full copy per rank). Same values either way (``docs/fsdp.md``).
         kl_coef: weight of the KL to a frozen reference policy π_ref, the actor as it is when RL
             training starts (after any ``SupervisedWarmStart``). 0 (default): no reference model
             is built and nothing changes. Must be >= 0.
@@ -203,6 +217,7 @@ class BraceModule(pl.LightningModule):
         fsdp_mixed_precision: str = "auto",
         fsdp_cpu_offload: bool = False,
         fsdp_meta_init: bool = False,
+        weight_sync_bucket_mb: int | None = DEFAULT_BUCKET_MB,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_mode: str = "loss",
@@ -265,9 +280,11 @@ class BraceModule(pl.LightningModule):
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
         self.activation_checkpointing = activation_checkpointing
+        bucket_bytes_from_mb(weight_sync_bucket_mb)  # validates the setting
         mixed_precision_dtypes(fsdp_mixed_precision, "cpu")  # validates the setting
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.fsdp_cpu_offload = fsdp_cpu_offload
+        self.weight_sync_bucket_mb = weight_sync_bucket_mb
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.kl_mode = kl_mode
@@ -792,12 +809,27 @@ class BraceModule(pl.LightningModule):
 
     def _publish(self) -> None:
         datamodule = self.trainer.datamodule if self.trainer is not None else None
-        if datamodule is not None and hasattr(datamodule, "publish"):
-            # Under FSDP every rank takes part in the gather and gets the full weights.
+        if datamodule is None or not hasattr(datamodule, "publish"):
+            return
+        bucket_bytes = bucket_bytes_from_mb(self.weight_sync_bucket_mb)
+        if not is_sharded(self.actor) or bucket_bytes is None:
+            # Under FSDP without buckets every rank gathers the whole state dict first.
             sharded = is_sharded(self.actor)
             weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
             require_finite_weights(weights, rollout_step=self.rollout_step - 1)
             datamodule.publish(weights, self.policy_version)
+            return
+        # FSDP2: each rank checks its own shards (one all-reduce), then every rank takes part in
+        # one gather per bucket and hands each bucket on (its own engine needs the weights).
+        require_finite_shards(self.actor, rollout_step=self.rollout_step - 1)
+        buckets = gathered_buckets(self.actor, bucket_bytes=bucket_bytes)
+        try:
+            if hasattr(datamodule, "publish_buckets"):
+                datamodule.publish_buckets(buckets, self.policy_version)
+            else:  # a data module that takes whole state dicts only
+                datamodule.publish(collect_buckets(buckets), self.policy_version)
+        finally:
+            drain(buckets)  # the gathers a data module left (no engine yet, or an error)
 
     def _log_step(
         self,
