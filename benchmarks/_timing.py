@@ -46,6 +46,28 @@ def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 
     return statistics.median(times)
 
 
+def interleaved_median_seconds(
+    fns: dict[str, Callable[[], object]], *, repeats: int = 3, warmup: int = 1
+) -> dict[str, float]:
+    """Median wall time of every ``fn()`` of ``fns``, the runs taken in turns (one of each per
+    round) after ``warmup`` rounds, so that load from other processes on a shared machine falls on
+    every case alike rather than on whichever ran while it lasted (CUDA-synchronised)."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fn()
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
 def in_mmap_subprocess(module: str, args: list[str]) -> str:
     """Run ``python -m module *args`` with glibc's mmap threshold fixed at 64 KiB; its stdout.
 

@@ -1,6 +1,8 @@
-"""Peak memory per rank of building, loading and stepping the FSDP2 actor and critic.
+"""Peak memory per rank of building, loading and stepping the FSDP2 actor and critic, and of
+publishing the actor's weights to the rollout engines.
 
     python -m benchmarks.fsdp_memory [--layers 24] [--ranks 2] [--device cpu|cuda] [--folder DIR]
+        [--paths today meta] [--load-only] [--publish full buckets rank0] [--bucket-mb 64 512]
 
 A Qwen2.5-0.5B-shaped model (hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocabulary
 151,936, tied embeddings; ``--layers`` blocks) with random weights is written once to a safetensors
@@ -17,11 +19,29 @@ step, minus the RSS of the process before construction (imports, gloo); on ``--d
 peak ``torch.cuda.max_memory_allocated`` instead. The table shows the worst rank, the ratio to the
 actor's fp32 size, the accounting of ``models/memory.py`` for the sharded training state, and the
 time from the start of construction to the end of the first step.
+
+Publishing (``--publish``): fresh processes build the sharded actor (meta path) and, on every rank
+that owns an engine, an :class:`~brace_lightning.rollout.embedded.EmbeddedEngine` (its own full
+copy, as in training); then one publish, as ``BraceModule._publish`` does it:
+
+- *full*: ``model.weight_sync_bucket_mb: null``, the old path: ``full_state_dict`` on every rank,
+  the finiteness check on it, ``engine.update_weights``;
+- *buckets*: the default path: the finiteness check on the local shards (one all-reduce), then
+  ``gathered_buckets`` to every rank, each bucket copied into the rank's engine and dropped;
+- *rank0*: the same buckets gathered to rank 0 only (``dst=0``), which alone has an engine; the
+  other ranks send their shards and keep nothing (what one engine per node or ``ExportOnFitEnd``
+  needs).
+
+Per rank: peak host RSS during the publish (``VmHWM`` after resetting it through
+``/proc/self/clear_refs``) minus the RSS just before it, and the publish's time. The ranks run with
+``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the process and cannot hide a peak.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import os
 import resource
 import socket
@@ -37,12 +57,16 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks._timing import positive_int
 from brace_lightning.models import ValueModel
+from brace_lightning.models.health import require_finite_weights
 from brace_lightning.models.memory import fsdp_bytes_per_rank, parameter_counts
 from brace_lightning.models.meta_init import load_sharded_actor, load_sharded_critic
-from brace_lightning.models.parallelize import parallelize
+from brace_lightning.models.parallelize import full_state_dict, parallelize, unsharded_copy
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
+from brace_lightning.models.weight_sync import MIB, drain, gathered_buckets, require_finite_shards
+from brace_lightning.rollout.embedded import EmbeddedEngine
 
 PATHS = ("today", "meta")
+PUBLISH = ("full", "buckets", "rank0")
 GIB = 2**30
 
 
@@ -77,6 +101,58 @@ def _peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _peak_since_reset_bytes() -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/self/status has no VmHWM line; expected Linux.")
+
+
+def _reset_peak() -> None:
+    """Free what can be freed, then restart the peak RSS (``VmHWM``) at the current RSS."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as refs:
+        refs.write("5")
+
+
+def _publish_rank(
+    rank: int, mode: str, bucket_mb: int, args: argparse.Namespace, port: int, out: Path
+) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (args.ranks,), mesh_dim_names=("data_parallel",))
+    actor = load_sharded_actor(args.folder, mesh)
+    plain = unsharded_copy(actor)  # a collective; the engine-owning ranks keep a copy
+    engine = EmbeddedEngine(plain) if mode != "rank0" or rank == 0 else None
+    del plain
+    dist.barrier()
+    _reset_peak()
+    base = _rss_bytes()
+    start = time.perf_counter()
+    if mode == "full":
+        weights = full_state_dict(actor)
+        require_finite_weights(weights, rollout_step=0)
+        assert engine is not None
+        engine.update_weights(weights, 1)
+        del weights
+    else:
+        require_finite_shards(actor, rollout_step=0)
+        buckets = gathered_buckets(
+            actor, bucket_bytes=bucket_mb * MIB, dst=0 if mode == "rank0" else None
+        )
+        if engine is not None:
+            engine.update_weights_from_buckets(buckets, 1)
+        drain(buckets)
+    elapsed = time.perf_counter() - start
+    peak = _peak_since_reset_bytes() - base
+    assert engine is None or engine.version == 1
+    torch.save((peak, elapsed), out / f"publish-{mode}-{bucket_mb}-{rank}.pt")
+    dist.destroy_process_group()
+
+
 def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     cuda = args.device == "cuda"
@@ -99,6 +175,11 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
         actor = load_sharded_actor(args.folder, mesh, device=device)
         critic = load_sharded_critic(args.folder, mesh, device=device)
     loaded_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    if args.load_only:  # no optimizer step: nan for the step's columns
+        elapsed = time.perf_counter() - start
+        torch.save((loaded_peak, float("nan"), elapsed), out / f"{path}-{rank}.pt")
+        dist.destroy_process_group()
+        return
     optimizer = torch.optim.AdamW([*actor.parameters(), *critic.parameters()], lr=1e-6)
     ids = torch.randint(3, 1000, (2, 32), generator=torch.Generator().manual_seed(rank)).to(device)
     attn = torch.ones_like(ids)
@@ -123,7 +204,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ranks", type=positive_int, default=2)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--folder", type=Path, default=None, help="checkpoint cache folder")
-    parser.add_argument("--paths", nargs="+", choices=PATHS, default=list(PATHS))
+    parser.add_argument("--paths", nargs="*", choices=PATHS, default=list(PATHS))
+    parser.add_argument(
+        "--load-only",
+        action="store_true",
+        help="construction paths stop after loading (no AdamW step: its states need 16 bytes "
+        "per parameter / ranks)",
+    )
+    parser.add_argument(
+        "--publish", nargs="*", choices=PUBLISH, default=list(PUBLISH), help="publish paths (CPU)"
+    )
+    parser.add_argument(
+        "--bucket-mb", nargs="+", type=positive_int, default=[64, 512], help="bucket sizes, MiB"
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         if args.folder is None:
@@ -137,14 +230,48 @@ def main(argv: list[str] | None = None) -> None:
             mp.spawn(_rank, args=(path, args, _free_port(), Path(scratch)), nprocs=args.ranks)
             rows = [torch.load(Path(scratch) / f"{path}-{r}.pt") for r in range(args.ranks)]
             results[path] = [max(column) for column in zip(*rows, strict=True)]
+        published = _run_publish(args, Path(scratch))
+    if results:
+        _print_construction(args, actor_bytes, accounted, results)
+    if published:
+        _print_publish(args, actor_bytes, published)
+
+
+def _run_publish(args: argparse.Namespace, scratch: Path) -> dict[tuple[str, int], list]:
+    """Every publish path (and bucket size) in fresh ranks: ``{(mode, MiB): [(peak, s) per rank]}``."""
+    runs = [
+        (mode, mb) for mode in args.publish for mb in ([0] if mode == "full" else args.bucket_mb)
+    ]
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        published = {}
+        for mode, mb in runs:
+            mp.spawn(_publish_rank, args=(mode, mb, args, _free_port(), scratch), nprocs=args.ranks)
+            published[mode, mb] = [
+                torch.load(scratch / f"publish-{mode}-{mb}-{r}.pt") for r in range(args.ranks)
+            ]
+    finally:
+        if saved is None:
+            os.environ.pop("MALLOC_MMAP_THRESHOLD_")
+        else:
+            os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
+    return published
+
+
+def _print_construction(
+    args: argparse.Namespace, actor_bytes: int, accounted: int, results: dict[str, list]
+) -> None:
     memory = "max allocated" if args.device == "cuda" else "peak RSS above start"
     print(
         f"Qwen2.5-0.5B shape, {args.layers} layers, actor fp32 {actor_bytes / GIB:.2f} GiB, "
         f"{args.ranks} ranks, {args.device}; worst rank; accounting (sharded params+grads+AdamW "
         f"+ one gathered unit per model) {accounted / GIB:.2f} GiB"
     )
+    until = "end of loading" if args.load_only else "step 1"
     print(
-        f"| path | {memory}, load (GiB) | x actor fp32 | through step 1 (GiB) | time to step 1 (s) |"
+        f"| path | {memory}, load (GiB) | x actor fp32 | through step 1 (GiB) | time to {until} "
+        "(s) |"
     )
     print("|---|---|---|---|---|")
     for path, (loaded, stepped, elapsed) in results.items():
@@ -152,6 +279,25 @@ def main(argv: list[str] | None = None) -> None:
             f"| {path} | {loaded / GIB:.2f} | {loaded / actor_bytes:.2f} | {stepped / GIB:.2f} "
             f"| {elapsed:.1f} |"
         )
+
+
+def _print_publish(
+    args: argparse.Namespace, actor_bytes: int, published: dict[tuple[str, int], list]
+) -> None:
+    print(
+        f"\nPublish: Qwen2.5-0.5B shape, {args.layers} layers, actor fp32 "
+        f"{actor_bytes / MIB:.0f} MiB, {args.ranks} gloo ranks on CPU; peak RSS during one "
+        "publish minus RSS before it, per rank"
+    )
+    print("| path | bucket MiB | engines | rank | peak extra (MiB) | x actor fp32 | time (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for (mode, mb), rows in published.items():
+        engines = "rank 0" if mode == "rank0" else "every rank"
+        for rank, (peak, elapsed) in enumerate(rows):
+            print(
+                f"| {mode} | {mb or '-'} | {engines} | {rank} | {peak / MIB:.0f} "
+                f"| {peak / actor_bytes:.2f} | {elapsed:.2f} |"
+            )
 
 
 if __name__ == "__main__":

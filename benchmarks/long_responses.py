@@ -1,22 +1,35 @@
-"""Long responses at a real vocabulary: full-logits vs chunked log-probs, padded vs token-budget.
+"""Long responses at a real vocabulary: full vs chunked log-probs; padded, budgeted, packed rows.
 
 A Qwen2.5-0.5B-shaped model (hidden 896, 14 heads of 64, 2 KV heads, MLP 4864, V = 151,936, tied
-embeddings; random weights from the config, nothing downloaded; ``--layers`` cuts the depth):
+embeddings; random weights from the config, nothing downloaded; ``--layers`` cuts the depth,
+``--vocab`` the vocabulary, for smoke runs):
 
 1. One row of T tokens (``--lengths``): median time and peak extra memory of one actor loss
    forward + backward (``−Σ A · log π`` over the row's tokens) with today's full ``[B, T, V]``
    float32 path (``chunk_size=None``) against the chunked path (``chunk_size=--chunk-size``).
 2. A minibatch of ``--rows`` responses with lengths drawn log-uniformly from ``--batch-lengths``
-   (seeded): tokens/s of the actor loss forward + backward over the whole minibatch, (a) rows in
-   arrival order, ``--padded-rows`` per micro-batch padded to the longest, full logits (today's
-   trainer), against (b) rows sorted by length in ``--max-tokens`` token-budget micro-batches with
-   chunked log-probs (``models/microbatch.py``).
+   (seeded): tokens/s of one PPO minibatch update's forwards and backwards, the actor loss
+   (``−Σ A · log π``) and, unless ``--no-critic``, the critic's squared error (a backbone of the
+   same shape with a value head), micro-batch by micro-batch:
+
+   a. ``padded``: rows in arrival order, ``--padded-rows`` per micro-batch padded to the longest,
+      full logits (the trainer before token budgets and chunked log-probs);
+   b. ``one``: the whole minibatch as one micro-batch padded to its longest row, chunked log-probs
+      (``BraceModule``'s defaults: no row cap, no budget);
+   c. ``budget``: rows sorted by length in micro-batches of at most ``--max-tokens`` padded tokens
+      (rows × width), chunked log-probs (``max_tokens_per_micro_batch``);
+   d. ``packed``: rows sorted by length in micro-batches of at most ``--max-tokens`` real tokens,
+      each run as one packed row, chunked log-probs (``pack_sequences=True``,
+      ``models/packing.py``).
+
+   tokens/s counts the real tokens; ratios are against (a) measured in the same process.
 
 Peak memory is measured in a child process whose allocator returns every tensor to the OS (see
 ``benchmarks/_timing.py``); ratios compare runs in the same process. ``--device cuda`` runs the same
 on a GPU (peak from the CUDA allocator).
 
     .venv/bin/python -m benchmarks.long_responses --layers 2 --lengths 1024 4096
+    .venv/bin/python -m benchmarks.long_responses --layers 2 --lengths --batch-lengths 64 1024
 """
 
 from __future__ import annotations
@@ -30,15 +43,22 @@ from collections.abc import Callable
 import torch
 from transformers import Qwen2Config
 
-from benchmarks._timing import in_mmap_subprocess, median_seconds, peak_extra_mib, positive_int
+from benchmarks._timing import (
+    in_mmap_subprocess,
+    interleaved_median_seconds,
+    peak_extra_mib,
+    positive_int,
+)
+from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.microbatch import MicroBatch, plan_micro_batches, widen
+from brace_lightning.models.packing import packed_token_logprobs, packed_values
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
 
 
-def qwen25_05b_config(layers: int, max_positions: int) -> Qwen2Config:
-    """The shape of Qwen2.5-0.5B with ``layers`` decoder layers."""
+def qwen25_05b_config(layers: int, max_positions: int, vocab: int = 151_936) -> Qwen2Config:
+    """The shape of Qwen2.5-0.5B with ``layers`` decoder layers (and ``vocab`` token ids)."""
     return Qwen2Config(
-        vocab_size=151_936,
+        vocab_size=vocab,
         hidden_size=896,
         intermediate_size=4864,
         num_hidden_layers=layers,
@@ -58,43 +78,83 @@ def response_lengths(rows: int, low: int, high: int, seed: int) -> list[int]:
     return [int(round(math.exp(math.log(low) + float(x) * math.log(high / low)))) for x in u]
 
 
+def length_mask(lengths: list[int]) -> torch.Tensor:
+    """``[rows, max(lengths)]`` bool, True at the first ``lengths[row]`` columns of each row."""
+    return torch.arange(max(lengths))[None] < torch.tensor(lengths)[:, None]
+
+
 def make_batch(lengths: list[int], vocab: int, device: str) -> tuple[torch.Tensor, ...]:
-    """Right-padded rows (prompt-free responses): ids, attention mask, advantages."""
+    """Right-padded rows (prompt-free responses): ids, attention mask, advantages (also used as
+    the critic's regression targets)."""
     gen = torch.Generator().manual_seed(1)
-    width = max(lengths)
-    ids = torch.randint(2, vocab, (len(lengths), width), generator=gen)
-    mask = torch.zeros(len(lengths), width, dtype=torch.bool)
-    for row, length in enumerate(lengths):
-        mask[row, :length] = True
+    mask = length_mask(lengths)
+    ids = torch.randint(2, vocab, mask.shape, generator=gen)
     ids = torch.where(mask, ids, 0)
-    adv = torch.randn(len(lengths), width, generator=gen)
+    adv = torch.randn(mask.shape, generator=gen)
     return ids.to(device), mask.to(device), adv.to(device)
 
 
-def actor_loss_backward(
+def minibatch_update(
     model: torch.nn.Module,
+    critic: ValueModel | None,
     ids: torch.Tensor,
     mask: torch.Tensor,
     adv: torch.Tensor,
     plan: list[MicroBatch],
     chunk_size: int | None,
+    packed: bool = False,
 ) -> None:
-    """``−Σ A · log π`` over the minibatch's tokens, forward + backward micro-batch by micro-batch
-    (divided by the minibatch's token count, as the trainer does)."""
+    """``−Σ A · log π`` (and the critic's ``Σ (V − A)²``) over the minibatch's tokens, forward +
+    backward micro-batch by micro-batch, divided by the minibatch's token count as the trainer does;
+    ``packed`` runs each micro-batch as one packed row (needs ``chunk_size``)."""
     count = float(mask[:, 1:].sum())
     width = ids.shape[1]
     for micro in plan:
         rows, cols = micro.rows, micro.columns
-        logprobs, _ = token_logprobs(
-            model, ids[rows, cols], mask[rows, cols], chunk_size=chunk_size
-        )
+        sub_ids, sub_mask = ids[rows, cols], mask[rows, cols]
+        if packed:
+            logprobs, _ = packed_token_logprobs(model, sub_ids, sub_mask, chunk_size=chunk_size)
+        else:
+            logprobs, _ = token_logprobs(model, sub_ids, sub_mask, chunk_size=chunk_size)
         loss = -(widen(logprobs, cols, width) * adv[rows]).sum() / count
         loss.backward()
+        if critic is not None:
+            values = (
+                packed_values(critic, sub_ids, sub_mask) if packed else critic(sub_ids, sub_mask)
+            )
+            error = torch.where(sub_mask, values - adv[rows, cols], 0.0)
+            (error.square().sum() / count).backward()
     model.zero_grad(set_to_none=True)
+    if critic is not None:
+        critic.zero_grad(set_to_none=True)
+
+
+#: Part 2's cases: name → (plan kind, log-probs chunk size from --chunk-size, packed rows).
+BATCH_CASES = {
+    "batch/padded": ("arrival", False, False),
+    "batch/one": ("one", True, False),
+    "batch/budget": ("budget", True, False),
+    "batch/packed": ("packed", True, True),
+}
+
+
+def batch_plans(args: argparse.Namespace, mask: torch.Tensor) -> dict[str, list[MicroBatch]]:
+    """The micro-batches of each kind of plan of part 2."""
+    rows = mask.shape[0]
+    return {
+        # Consecutive rows in arrival order, each micro-batch padded to its longest row.
+        "arrival": [
+            _window_of(torch.arange(start, min(start + args.padded_rows, rows)), mask)
+            for start in range(0, rows, args.padded_rows)
+        ],
+        "one": plan_micro_batches(mask),
+        "budget": plan_micro_batches(mask, max_tokens=args.max_tokens),
+        "packed": plan_micro_batches(mask, max_tokens=args.max_tokens, packed=True),
+    }
 
 
 def cases(
-    args: argparse.Namespace, model: torch.nn.Module
+    args: argparse.Namespace, model: torch.nn.Module, critic: ValueModel | None
 ) -> dict[str, tuple[Callable[[], None], int]]:
     """name → (callable, tokens) of every measured case."""
     vocab = model.config.vocab_size
@@ -104,29 +164,22 @@ def cases(
         plan = plan_micro_batches(mask)
         for name, size in (("full", None), ("chunked", args.chunk_size)):
             out[f"row/{length}/{name}"] = (
-                lambda i=ids, m=mask, a=adv, p=plan, s=size: actor_loss_backward(
-                    model, i, m, a, p, s
+                lambda i=ids, m=mask, a=adv, p=plan, s=size: minibatch_update(
+                    model, None, i, m, a, p, s
                 ),
                 length,
             )
     if args.rows:
         lengths = response_lengths(args.rows, *args.batch_lengths, seed=args.seed)
         ids, mask, adv = make_batch(lengths, vocab, args.device)
-        tokens = sum(lengths)
-        # Today: consecutive rows in arrival order, each micro-batch padded to its longest row.
-        padded = [
-            _window_of(torch.arange(start, min(start + args.padded_rows, args.rows)), mask)
-            for start in range(0, args.rows, args.padded_rows)
-        ]
-        budget = plan_micro_batches(mask, max_tokens=args.max_tokens)
-        out["batch/padded"] = (
-            lambda: actor_loss_backward(model, ids, mask, adv, padded, None),
-            tokens,
-        )
-        out["batch/budget"] = (
-            lambda: actor_loss_backward(model, ids, mask, adv, budget, args.chunk_size),
-            tokens,
-        )
+        plans = batch_plans(args, mask)
+        for name, (kind, chunked, packed) in BATCH_CASES.items():
+            out[name] = (
+                lambda p=plans[kind], s=args.chunk_size if chunked else None, k=packed: (
+                    minibatch_update(model, critic, ids, mask, adv, p, s, k)
+                ),
+                sum(lengths),
+            )
     return out
 
 
@@ -140,12 +193,27 @@ def _window_of(rows: torch.Tensor, mask: torch.Tensor) -> MicroBatch:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=positive_int, default=24)
-    parser.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 4096, 8192])
+    parser.add_argument(
+        "--vocab", type=positive_int, default=151_936, help="vocabulary (smaller: smoke runs only)"
+    )
+    parser.add_argument(
+        "--lengths",
+        type=positive_int,
+        nargs="*",
+        default=[1024, 4096, 8192],
+        help="single-row lengths of part 1 (none: skip part 1)",
+    )
     parser.add_argument("--chunk-size", type=positive_int, default=1024)
     parser.add_argument("--rows", type=int, default=16, help="minibatch rows (0 = skip part 2)")
     parser.add_argument("--batch-lengths", type=positive_int, nargs=2, default=[64, 4096])
     parser.add_argument("--padded-rows", type=positive_int, default=2)
     parser.add_argument("--max-tokens", type=positive_int, default=4096)
+    parser.add_argument(
+        "--critic",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="part 2 also runs the critic's loss forward + backward",
+    )
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
@@ -154,12 +222,18 @@ def main() -> None:
     args = parser.parse_args()
     if args.rows < 0:
         parser.error(f"--rows must be >= 0; got {args.rows}")
+    if not args.lengths and not args.rows:
+        parser.error("--lengths is empty and --rows is 0; expected something to measure")
     if args.threads:
         torch.set_num_threads(args.threads)
     longest = max([*args.lengths, args.batch_lengths[1]])
-    model = load_causal_lm(qwen25_05b_config(args.layers, longest + 1), seed=0).to(args.device)
+    config = qwen25_05b_config(args.layers, longest + 1, args.vocab)
+    model = load_causal_lm(config, seed=0).to(args.device)
     model.train()
-    measured = cases(args, model)
+    critic = None
+    if args.critic and args.rows:
+        critic = ValueModel.from_actor(model, seed=1, head_init_std=0.1).train()
+    measured = cases(args, model, critic)
     if args.memory_child:
         print(
             json.dumps(
@@ -172,18 +246,19 @@ def main() -> None:
     else:
         child = [*sys.argv[1:], "--memory-child"]
         memory = json.loads(in_mmap_subprocess("benchmarks.long_responses", child))
-    seconds = {
-        name: median_seconds(fn, repeats=args.repeats, warmup=1)
-        for name, (fn, _) in measured.items()
-    }
+    seconds = interleaved_median_seconds(
+        {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats
+    )
     print(
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}; "
-        f"Qwen2.5-0.5B shape, {args.layers} layers, V=151936, float32; chunk={args.chunk_size}; "
-        f"median of {args.repeats} runs (after 1 warm-up)"
+        f"Qwen2.5-0.5B shape, {args.layers} layers, V={args.vocab}, float32; "
+        f"chunk={args.chunk_size}; "
+        f"median of {args.repeats} runs taken in turns (after 1 warm-up)"
     )
-    print()
-    print("| T | path | median s | peak extra MiB | × full time | full / chunked peak |")
-    print("|---|---|---|---|---|---|")
+    if args.lengths:
+        print()
+        print("| T | path | median s | peak extra MiB | × full time | full / chunked peak |")
+        print("|---|---|---|---|---|---|")
     for length in args.lengths:
         full, chunked = f"row/{length}/full", f"row/{length}/chunked"
         for name in (full, chunked):
@@ -193,26 +268,46 @@ def main() -> None:
                 f"{memory[full] / memory[name]:.2f} |"
             )
     if args.rows:
-        lengths = response_lengths(args.rows, *args.batch_lengths, seed=args.seed)
-        print()
+        print_batch_table(args, seconds, memory)
+
+
+def print_batch_table(
+    args: argparse.Namespace, seconds: dict[str, float], memory: dict[str, float | None]
+) -> None:
+    """Part 2's table: one line per case of :data:`BATCH_CASES`."""
+    lengths = response_lengths(args.rows, *args.batch_lengths, seed=args.seed)
+    mask = length_mask(lengths)
+    plans = batch_plans(args, mask)
+    what = "actor + critic" if args.critic else "actor"
+    print()
+    print(
+        f"{args.rows} responses, log-uniform {args.batch_lengths[0]}..{args.batch_lengths[1]} "
+        f"(seed {args.seed}): {sum(lengths)} tokens, longest {max(lengths)}; {what} loss "
+        "forward + backward"
+    )
+    print()
+    print(
+        "| micro-batches | forwards | tokens computed | median s | tokens/s | × padded "
+        "| peak extra MiB |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    labels = {
+        "batch/padded": f"{args.padded_rows} rows in arrival order, padded, full logits",
+        "batch/one": "all rows in one micro-batch, padded, chunked",
+        "batch/budget": f"sorted, {args.max_tokens} padded-token budget, chunked",
+        "batch/packed": f"sorted, {args.max_tokens} real-token budget, packed, chunked",
+    }
+    base = seconds["batch/padded"]
+    for name, label in labels.items():
+        kind, _, packed = BATCH_CASES[name]
+        plan = plans[kind]
+        computed = sum(int(mask[m.rows].sum()) if packed else m.tokens for m in plan)
+        peak = memory[name]
         print(
-            f"{args.rows} responses, log-uniform {args.batch_lengths[0]}..{args.batch_lengths[1]} "
-            f"(seed {args.seed}): {sum(lengths)} tokens, longest {max(lengths)}"
+            f"| {label} | {len(plan)} | {computed} | {seconds[name]:.2f} | "
+            f"{sum(lengths) / seconds[name]:.0f} | {base / seconds[name]:.2f} | "
+            f"{'n/a' if peak is None else f'{peak:.0f}'} |"
         )
-        print()
-        print("| micro-batches | median s | tokens/s | × padded | peak extra MiB |")
-        print("|---|---|---|---|---|")
-        labels = {
-            "batch/padded": f"{args.padded_rows} rows in arrival order, padded, full logits",
-            "batch/budget": f"sorted, {args.max_tokens}-token budget, chunked",
-        }
-        base = seconds["batch/padded"]
-        for name, label in labels.items():
-            tokens = measured[name][1]
-            print(
-                f"| {label} | {seconds[name]:.2f} | {tokens / seconds[name]:.0f} | "
-                f"{base / seconds[name]:.2f} | {memory[name]:.0f} |"
-            )
 
 
 if __name__ == "__main__":

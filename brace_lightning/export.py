@@ -36,9 +36,14 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.parallelize import full_state_dict
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
+from brace_lightning.models.weight_sync import (
+    DEFAULT_BUCKET_MB,
+    MIB,
+    gather_state_dict,
+    module_bucket_bytes,
+)
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 META_FILE = "meta.pt"  # Lightning's metadata file inside a sharded checkpoint folder
@@ -198,8 +203,13 @@ class ExportOnFitEnd(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         actor, critic = pl_module.actor, pl_module.critic  # type: ignore[attr-defined]
-        actor_state, critic_state = full_state_dict(actor), full_state_dict(critic)  # collectives
+        # Collectives: gathered on global rank 0 only, bucket by bucket; the other ranks hold at
+        # most their part of one bucket (models/weight_sync.py).
+        bucket_bytes = module_bucket_bytes(pl_module) or DEFAULT_BUCKET_MB * MIB
+        actor_state = gather_state_dict(actor, bucket_bytes=bucket_bytes, dst=0)
+        critic_state = gather_state_dict(critic, bucket_bytes=bucket_bytes, dst=0)
         if trainer.is_global_zero:
+            assert actor_state is not None and critic_state is not None
             save_hf_folders(
                 actor,
                 critic,

@@ -39,6 +39,7 @@ import torch
 from jsonargparse import lazy_instance
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -65,6 +66,7 @@ from brace_lightning.models.microbatch import (
     score_rows,
     widen,
 )
+from brace_lightning.models.packing import packed_token_logprobs, packed_values, packing_problem
 from brace_lightning.models.parallelize import (
     full_state_dict,
     is_sharded,
@@ -73,6 +75,14 @@ from brace_lightning.models.parallelize import (
 )
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
+from brace_lightning.models.weight_sync import (
+    DEFAULT_BUCKET_MB,
+    bucket_bytes_from_mb,
+    collect_buckets,
+    drain,
+    gathered_buckets,
+    require_finite_shards,
+)
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
@@ -135,9 +145,15 @@ class BraceModule(pl.LightningModule):
         ppo_epochs: passes over each rollout batch.
         num_minibatches: optimizer steps per pass (the batch's rows are split evenly).
         micro_batch_size: rows per forward/backward inside a minibatch (None = the whole minibatch).
-        max_tokens_per_micro_batch: padded tokens (rows × width) per forward/backward; rows are
-            sorted by length and grouped under both limits (``models/microbatch.py``). Also used for
-            the scoring forwards (old log-probs, values) at the start of a step. None = no budget.
+        max_tokens_per_micro_batch: padded tokens (rows × width) per forward/backward, or real
+            tokens with ``pack_sequences``; rows are sorted by length and grouped under both limits
+            (``models/microbatch.py``). Also used for the scoring forwards (old log-probs, values)
+            at the start of a step. None = no budget.
+        pack_sequences: run every actor and critic forward of a step (scoring, EWMA and reference
+            actors, the PPO update) on packed rows: the real tokens of a micro-batch as one row,
+            no padding (``models/packing.py``); losses and gradients are those of padded rows. A
+            model that cannot pack (``packing_problem``) makes the trainer log one sentence and
+            keep padded rows.
         critic_warmup_steps: rollout steps during which only the critic is trained.
         max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
         whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
@@ -154,6 +170,12 @@ class BraceModule(pl.LightningModule):
         fsdp_meta_init: under FSDP2, keep actor and critic on the meta device until
             ``configure_model`` shards them, then each rank allocates and reads only its shards
             (``docs/fsdp.md``).
+        weight_sync_bucket_mb: under FSDP2, the actor's weights are gathered for the rollout
+            engines in buckets of at most this many MiB (a larger tensor is a bucket alone), each
+            handed to the data module's ``publish_buckets`` (the engine or a weight slot) and
+            dropped before the next, so a rank holds at most about two buckets beyond its shards
+            and its engine; None gathers the whole state dict on every rank first (the old path,
+            one extra full copy per rank). Same values either way (``docs/fsdp.md``).
         kl_coef: weight of the KL to a frozen reference policy π_ref, the actor as it is when RL
             training starts (after any ``SupervisedWarmStart``). 0 (default): no reference model
             is built and nothing changes. Must be >= 0.
@@ -184,6 +206,7 @@ class BraceModule(pl.LightningModule):
         num_minibatches: int = 1,
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
+        pack_sequences: bool = False,
         critic_warmup_steps: int = 5,
         max_grad_norm: float | None = 1.0,
         whiten_advantages: bool = True,
@@ -194,6 +217,7 @@ class BraceModule(pl.LightningModule):
         fsdp_mixed_precision: str = "auto",
         fsdp_cpu_offload: bool = False,
         fsdp_meta_init: bool = False,
+        weight_sync_bucket_mb: int | None = DEFAULT_BUCKET_MB,
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_mode: str = "loss",
@@ -214,6 +238,8 @@ class BraceModule(pl.LightningModule):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
+        if not isinstance(pack_sequences, bool):
+            raise ValueError(f"pack_sequences must be True or False; got {pack_sequences!r}.")
         if isinstance(kl_coef, bool) or not (
             isinstance(kl_coef, int | float) and 0.0 <= kl_coef < math.inf
         ):
@@ -248,13 +274,17 @@ class BraceModule(pl.LightningModule):
         self.num_minibatches = num_minibatches
         self.micro_batch_size = micro_batch_size
         self.max_tokens_per_micro_batch = max_tokens_per_micro_batch
+        self.pack_sequences = pack_sequences
+        self._packs: bool | None = None  # decided at the first step (_packed)
         self.critic_warmup_steps = critic_warmup_steps
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
         self.activation_checkpointing = activation_checkpointing
+        bucket_bytes_from_mb(weight_sync_bucket_mb)  # validates the setting
         mixed_precision_dtypes(fsdp_mixed_precision, "cpu")  # validates the setting
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.fsdp_cpu_offload = fsdp_cpu_offload
+        self.weight_sync_bucket_mb = weight_sync_bucket_mb
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.kl_mode = kl_mode
@@ -422,7 +452,7 @@ class BraceModule(pl.LightningModule):
             proximal_logprobs = self._score(self.actor, batch, plan, temperature)
             require_finite_logprobs(proximal_logprobs, batch.mask, rollout_step=self.rollout_step)
             old_values = shift_values(
-                score_rows(self.critic, batch.input_ids, batch.attention_mask, plan)
+                score_rows(self._values, batch.input_ids, batch.attention_mask, plan)
             )
             forward_seconds = time.perf_counter() - phase_start
             ewma_logprobs = None
@@ -548,7 +578,7 @@ class BraceModule(pl.LightningModule):
         for micro in self._micro_batches(mb.attention_mask):
             rows, cols = micro.rows, micro.columns
             ids, attn, mask = mb.input_ids[rows, cols], mb.attention_mask[rows, cols], mb.mask[rows]
-            values = shift_values(widen(self.critic(ids, attn), cols, width))
+            values = shift_values(widen(self._values(ids, attn), cols, width))
             with self._blame(self.critic_loss):
                 critic_out = self.critic_loss(
                     values=values, old_values=old_values[rows], returns=returns[rows], mask=mask
@@ -562,8 +592,7 @@ class BraceModule(pl.LightningModule):
                 _add_stats(sums, "critic", critic_out.stats, tokens)
             if not train_actor:
                 continue
-            logprobs, _ = token_logprobs(self.actor, ids, attn, temperature=temperature)
-            logprobs = widen(logprobs, cols, width)
+            logprobs = widen(self._logprobs(self.actor, ids, attn, temperature), cols, width)
             prox = proximal_logprobs[rows] if ewma_logprobs is None else ewma_logprobs[rows]
             with self._blame(self.actor_objective):
                 actor_out = self.actor_objective(
@@ -638,6 +667,7 @@ class BraceModule(pl.LightningModule):
             attention_mask,
             max_rows=self.micro_batch_size,
             max_tokens=self.max_tokens_per_micro_batch,
+            packed=self._packed(),
         )
         if self.trainer.world_size > 1:
             count = torch.tensor(float(len(plan)), device=attention_mask.device)
@@ -651,9 +681,38 @@ class BraceModule(pl.LightningModule):
         """``[B, T]`` log-probs of ``batch`` under ``actor``, micro-batch by micro-batch."""
 
         def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-            return token_logprobs(actor, ids, attn, temperature=temperature)[0]
+            return self._logprobs(actor, ids, attn, temperature)
 
         return score_rows(logprobs, batch.input_ids, batch.attention_mask, plan)
+
+    def _packed(self) -> bool:
+        """Whether this run's forwards use packed rows: ``pack_sequences`` and both the actor and
+        the critic can pack (``packing_problem``, checked at the first call; the EWMA and reference
+        actors are copies of the actor). If one cannot, one sentence is logged and every forward
+        keeps padded rows, so the token budget always counts what is computed."""
+        if self._packs is None:
+            self._packs = self.pack_sequences
+            for model in (self.actor, self.critic) if self.pack_sequences else ():
+                problem = packing_problem(model)
+                if problem is not None:
+                    rank_zero_warn(
+                        f"pack_sequences=True: the {type(model).__name__} cannot run on packed "
+                        f"rows ({problem}); every forward uses padded rows."
+                    )
+                    self._packs = False
+                    break
+        return self._packs
+
+    def _logprobs(
+        self, actor: nn.Module, ids: torch.Tensor, attn: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """``[n, w]`` log-probs of one micro-batch under ``actor``, packed or padded."""
+        logprobs = packed_token_logprobs if self._packed() else token_logprobs
+        return logprobs(actor, ids, attn, temperature=temperature)[0]
+
+    def _values(self, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """``[n, w]`` critic values of one micro-batch, packed or padded."""
+        return packed_values(self.critic, ids, attn) if self._packed() else self.critic(ids, attn)
 
     @torch.no_grad()
     def _capture_reference(self) -> None:
@@ -750,12 +809,27 @@ class BraceModule(pl.LightningModule):
 
     def _publish(self) -> None:
         datamodule = self.trainer.datamodule if self.trainer is not None else None
-        if datamodule is not None and hasattr(datamodule, "publish"):
-            # Under FSDP every rank takes part in the gather and gets the full weights.
+        if datamodule is None or not hasattr(datamodule, "publish"):
+            return
+        bucket_bytes = bucket_bytes_from_mb(self.weight_sync_bucket_mb)
+        if not is_sharded(self.actor) or bucket_bytes is None:
+            # Under FSDP without buckets every rank gathers the whole state dict first.
             sharded = is_sharded(self.actor)
             weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
             require_finite_weights(weights, rollout_step=self.rollout_step - 1)
             datamodule.publish(weights, self.policy_version)
+            return
+        # FSDP2: each rank checks its own shards (one all-reduce), then every rank takes part in
+        # one gather per bucket and hands each bucket on (its own engine needs the weights).
+        require_finite_shards(self.actor, rollout_step=self.rollout_step - 1)
+        buckets = gathered_buckets(self.actor, bucket_bytes=bucket_bytes)
+        try:
+            if hasattr(datamodule, "publish_buckets"):
+                datamodule.publish_buckets(buckets, self.policy_version)
+            else:  # a data module that takes whole state dicts only
+                datamodule.publish(collect_buckets(buckets), self.policy_version)
+        finally:
+            drain(buckets)  # the gathers a data module left (no engine yet, or an error)
 
     def _log_step(
         self,

@@ -6,19 +6,36 @@ Run with ``python -m brace_lightning.sweep GRID.yaml OUT_DIR --workers N``. The 
 
     base: {horizon: 64, versions: 50}          # ClosedLoopConfig fields shared by every cell
     grid: {staleness: [0, 4], seed: [0, 1, 2]} # ClosedLoopConfig fields to cross
+    variants:                                   # optional: named bundles of fields, crossed too
+      tabular: {critic: tabular, critic_lr: 0.5}
+      mlp: {critic: mlp, critic_lr: 0.01}
     targets:                                    # name -> class in brace_lightning.targets
       gae: {class_path: GAE}
       brace: {class_path: BRACE, init_args: {k: 100}}
     objectives:                                 # name -> class in brace_lightning.objectives
       ppo: {class_path: PPOClip}
-    metric: gap_pi                              # VersionLog field summarized per cell
+    metric: gap_pi                              # VersionLog field(s) summarized per cell
+    window: 0.25                                # score = mean over this last fraction of versions
+    higher_is_better: [value_pi]                # metrics whose verdict favours larger values
+    signed: [label_bias]                        # metrics with no better side: "differs" or "tie"
+    shadows: [gae, brace]                       # optional: extra critics on the same data (below)
+    drivers: [gae]                              # optional: the targets that get cells (default all)
     reference: gae                              # target every other target is paired against
 
-Each cell writes ``OUT_DIR/<cell>/log.json`` (the whole :class:`~brace_lightning.sim.VersionLog`);
-cells whose file exists are skipped, so an interrupted sweep resumes. A cell's score is the mean of
-``metric`` over the last quarter of its versions. :func:`aggregate` reports, per setting, the mean
-and 95% Student-t interval over seeds and the paired difference against the reference target at
-the same setting and seed; a difference whose interval covers 0 is a tie.
+``metric`` is one :class:`~brace_lightning.sim.VersionLog` field or a list of them (the first is
+printed). Each cell writes ``OUT_DIR/<cell>/log.json`` (the whole log and its wall time); cells
+whose file exists are skipped, so an interrupted sweep resumes. A cell's score is the mean of a
+metric over the last ``window`` fraction of its versions (1.0: the whole run, an area under the
+curve). :func:`aggregate` reports, per setting, the mean and 95% Student-t interval over seeds and
+the paired difference against the reference target at the same setting and seed; a difference
+whose interval covers 0 is a tie. Per metric, ``summary_<metric>.png`` shows the scores and
+``curves_<metric>.png`` the per-version means with their intervals (one panel per setting, one
+line per target); ``beta.png`` shows β by remaining horizon averaged over the window.
+
+``shadows`` (names from ``targets``) adds one critic per listed target to every run, trained on
+the same batches but never used by the actor (``run_closed_loop``'s ``shadow_targets``): the cell's
+own target drives the actor, and the tables compare the shadow critics' ĝ_π on one actor
+trajectory, which removes the actor's reaction to its critic from the comparison.
 """
 
 from __future__ import annotations
@@ -28,13 +45,29 @@ import itertools
 import json
 import math
 import multiprocessing
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["Cell", "aggregate", "cells", "interval", "main", "run_cell", "run_grid"]
+__all__ = [
+    "Cell",
+    "aggregate",
+    "cells",
+    "collect",
+    "interval",
+    "main",
+    "metrics",
+    "plot_beta",
+    "plot_curves",
+    "run_cell",
+    "run_grid",
+    "score",
+    "summarize",
+    "window",
+]
 
 Cell = dict[str, Any]
 
@@ -61,16 +94,22 @@ def cells(spec: dict[str, Any]) -> list[Cell]:
         if key not in spec:
             raise ValueError(f"the grid file must have a '{key}' entry; got keys {sorted(spec)}.")
     grid: dict[str, list[Any]] = spec.get("grid", {})
+    variants: dict[str, dict[str, Any]] = spec.get("variants", {"": {}})
     keys = sorted(grid)
     out = []
-    for target, objective in itertools.product(spec["targets"], spec["objectives"]):
+    drivers = spec.get("drivers", list(spec["targets"]))
+    for target, objective, variant in itertools.product(drivers, spec["objectives"], variants):
         for values in itertools.product(*(grid[k] for k in keys)):
-            config = {**spec.get("base", {}), **dict(zip(keys, values, strict=True))}
+            config = {
+                **spec.get("base", {}),
+                **variants[variant],
+                **dict(zip(keys, values, strict=True)),
+            }
             parts = [f"target={target}", f"objective={objective}"]
+            parts += [f"variant={variant}"] if variant else []
             parts += [f"{k}={v}" for k, v in zip(keys, values, strict=True)]
-            out.append(
-                {"name": ",".join(parts), "target": target, "objective": objective, **config}
-            )
+            cell = {"name": ",".join(parts), "target": target, "objective": objective, **config}
+            out.append(cell)
     return out
 
 
@@ -91,10 +130,16 @@ def run_cell(spec: dict[str, Any], cell: Cell, out_dir: Path) -> Path:
     config = {k: v for k, v in cell.items() if k not in ("name", "target", "objective")}
     target = _build("brace_lightning.targets", spec["targets"][cell["target"]])
     objective = _build("brace_lightning.objectives", spec["objectives"][cell["objective"]])
-    log = run_closed_loop(ClosedLoopConfig(**config), target, objective)
+    shadows = {
+        name: _build("brace_lightning.targets", spec["targets"][name])
+        for name in spec.get("shadows", [])
+    }
+    start = time.perf_counter()
+    log = run_closed_loop(ClosedLoopConfig(**config), target, objective, shadow_targets=shadows)
+    seconds = time.perf_counter() - start
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps({"cell": cell, "log": log.as_dict()}))
+    partial.write_text(json.dumps({"cell": cell, "seconds": seconds, "log": log.as_dict()}))
     partial.rename(path)  # atomic: a killed cell leaves no log.json and reruns
     return path
 
@@ -116,15 +161,36 @@ def run_grid(spec: dict[str, Any], out_dir: Path, *, workers: int = 1) -> list[P
         return list(tqdm(pool.imap(_run_star, todo), total=len(todo), desc="cells"))
 
 
-def score(log: dict[str, Any], metric: str) -> float:
-    """Mean of ``metric`` over the last quarter of the versions."""
+def metrics(spec: dict[str, Any]) -> list[str]:
+    """The grid's metric names (``metric`` may be one name or a list)."""
+    metric = spec["metric"]
+    names = [metric] if isinstance(metric, str) else metric
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
+        raise ValueError(f"metric must be a field name or a list of them; got {metric!r}.")
+    return names
+
+
+def window(spec: dict[str, Any]) -> float:
+    """The fraction of the last versions a score averages over (``window``, default 0.25)."""
+    value = spec.get("window", 0.25)
+    if not isinstance(value, int | float) or not 0.0 < value <= 1.0:
+        raise ValueError(f"window must be a fraction in (0, 1]; got {value!r}.")
+    return float(value)
+
+
+def score(log: dict[str, Any], metric: str, fraction: float = 0.25) -> float:
+    """Mean of ``metric`` over the last ``fraction`` of the versions (at least one)."""
     values = log[metric]
-    tail = values[len(values) - max(1, len(values) // 4) :]
+    tail = values[len(values) - max(1, round(len(values) * fraction)) :]
     return sum(tail) / len(tail)
 
 
 def aggregate(
-    scores: dict[str, dict[int, float]], reference: str, *, target_of: dict[str, str] | None = None
+    scores: dict[str, dict[int, float]],
+    reference: str,
+    *,
+    target_of: dict[str, str] | None = None,
+    higher_is_better: bool | None = False,
 ) -> list[dict[str, Any]]:
     """Mean ± 95% interval per setting, and the paired difference to the reference at each setting.
 
@@ -133,10 +199,12 @@ def aggregate(
         reference: the reference target's name; each setting is paired with the setting whose
             name has ``target=<reference>`` in place of its own target, seed by seed.
         target_of: setting → target name (parsed from ``target=...`` in the name if None).
+        higher_is_better: the verdict's direction (False: lower is better, as for ĝ_π; None:
+            no direction, as for a signed bias, and a difference is called ``differs``).
 
     Returns:
         One row per setting: ``setting, mean, low, high, diff, diff_low, diff_high, verdict``
-        (verdict ``better``/``worse`` — lower is better — or ``tie`` when the interval covers 0;
+        (verdict ``better``/``worse`` in the metric's direction, or ``tie`` when the interval covers 0;
         the diff fields are None for the reference itself).
     """
     rows = []
@@ -150,22 +218,54 @@ def aggregate(
             seeds = sorted(set(by_seed) & set(scores[partner]))
             diffs = [by_seed[s] - scores[partner][s] for s in seeds]
             d, d_low, d_high = interval(diffs)
-            verdict = "tie" if d_low <= 0.0 <= d_high else ("better" if d < 0 else "worse")
+            improved = d > 0 if higher_is_better else d < 0
+            verdict = (
+                "tie"
+                if d_low <= 0.0 <= d_high
+                else ("differs" if higher_is_better is None else "better" if improved else "worse")
+            )
             row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
         rows.append(row)
     return rows
 
 
-def collect(spec: dict[str, Any], out_dir: Path) -> dict[str, dict[int, float]]:
-    """Scores of the finished cells, grouped by setting (cell name without its seed)."""
-    scores: dict[str, dict[int, float]] = {}
+def _setting(name: str) -> str:
+    return ",".join(p for p in name.split(",") if not p.startswith("seed="))
+
+
+def _logs(spec: dict[str, Any], out_dir: Path) -> list[tuple[Cell, dict[str, Any]]]:
+    """The finished cells with their logs.
+
+    With ``shadows`` in the spec, each cell stands for one entry per shadow critic instead: named
+    ``target=<shadow>,driver=<cell's target>,…``, whose ``gap_pi`` is that critic's ĝ_π (the other
+    fields are the shared run's), so the tables pair critics seed by seed on the same data.
+    """
+    out = []
     for cell in cells(spec):
         path = out_dir / cell["name"] / "log.json"
         if not path.exists():
             continue
         log = json.loads(path.read_text())["log"]
-        setting = ",".join(p for p in cell["name"].split(",") if not p.startswith("seed="))
-        scores.setdefault(setting, {})[int(cell.get("seed", 0))] = score(log, spec["metric"])
+        if not spec.get("shadows"):
+            out.append((cell, log))
+            continue
+        for shadow in spec["shadows"]:
+            driver = f"target={cell['target']}"
+            name = cell["name"].replace(driver, f"target={shadow},driver={cell['target']}", 1)
+            shadow_log = {**log, "gap_pi": log["shadow_gap_pi"][shadow]}
+            out.append(({**cell, "name": name, "target": shadow}, shadow_log))
+    return out
+
+
+def collect(
+    spec: dict[str, Any], out_dir: Path, metric: str | None = None
+) -> dict[str, dict[int, float]]:
+    """Scores of the finished cells for ``metric`` (the first if None), grouped by setting."""
+    name = metric or metrics(spec)[0]
+    scores: dict[str, dict[int, float]] = {}
+    for cell, log in _logs(spec, out_dir):
+        by_seed = scores.setdefault(_setting(cell["name"]), {})
+        by_seed[int(cell.get("seed", 0))] = score(log, name, window(spec))
     return scores
 
 
@@ -204,22 +304,137 @@ def plot(rows: list[dict[str, Any]], path: Path, metric: str) -> None:
     plt.close(fig)
 
 
+def _panels(spec: dict[str, Any], out_dir: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+    """Finished logs grouped as panel (the setting without its target) → target → logs."""
+    panels: dict[str, dict[str, list[dict[str, Any]]]] = {}
+    for cell, log in _logs(spec, out_dir):
+        panel = ",".join(
+            p for p in _setting(cell["name"]).split(",") if not p.startswith("target=")
+        )
+        panels.setdefault(panel, {}).setdefault(cell["target"], []).append(log)
+    return panels
+
+
+def _figure(count: int) -> tuple[Any, list[Any]]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    columns = min(count, 3)
+    rows = math.ceil(count / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5 * columns, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[count:]:
+        ax.set_visible(False)
+    return fig, list(axes.flat[:count])
+
+
+def _mean_band(series: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Per position: mean and 95% interval over the series (the mean alone for one series)."""
+    means, lows, highs = [], [], []
+    for values in zip(*series, strict=False):
+        if len(values) >= 2:
+            mean, low, high = interval(list(values))
+        else:
+            mean = low = high = values[0]
+        means.append(mean)
+        lows.append(low)
+        highs.append(high)
+    return means, lows, highs
+
+
+def plot_curves(spec: dict[str, Any], out_dir: Path, metric: str, path: Path) -> None:
+    """Per-version mean of ``metric`` over seeds with its 95% band, one line per target."""
+    import matplotlib.pyplot as plt
+
+    panels = _panels(spec, out_dir)
+    fig, axes = _figure(len(panels))
+    for ax, (panel, by_target) in zip(axes, sorted(panels.items()), strict=True):
+        for target, logs in sorted(by_target.items()):
+            mean, low, high = _mean_band([log[metric] for log in logs])
+            steps = range(len(mean))
+            ax.plot(steps, mean, label=target)
+            ax.fill_between(steps, low, high, alpha=0.2)
+        ax.set_title(panel or "all", fontsize=8)
+        ax.set_xlabel("version")
+        ax.set_ylabel(metric)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_beta(spec: dict[str, Any], out_dir: Path, path: Path) -> None:
+    """β per remaining-horizon bin, averaged over each run's window and then over seeds."""
+    import matplotlib.pyplot as plt
+
+    panels = _panels(spec, out_dir)
+    fig, axes = _figure(len(panels))
+    fraction = window(spec)
+    for ax, (panel, by_target) in zip(axes, sorted(panels.items()), strict=True):
+        for target, logs in sorted(by_target.items()):
+            per_seed = []
+            for log in logs:
+                rows = log["beta"][len(log["beta"]) - max(1, round(len(log["beta"]) * fraction)) :]
+                per_bin = []
+                for values in zip(*rows, strict=True):
+                    defined = [v for v in values if v is not None]
+                    per_bin.append(sum(defined) / len(defined) if defined else math.nan)
+                per_seed.append(per_bin)
+            mean, low, high = _mean_band(per_seed)
+            edges = logs[0]["beta_edges"]
+            ax.plot(edges, mean, marker="o", label=target)
+            ax.fill_between(edges, low, high, alpha=0.2)
+        ax.set_xscale("log", base=2)
+        ax.set_title(panel or "all", fontsize=8)
+        ax.set_xlabel("remaining horizon T - t (bin left edge)")
+        ax.set_ylabel("β (slope of label on return)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def summarize(spec: dict[str, Any], out_dir: Path) -> str:
+    """Write ``summary.md`` and the PNGs for every metric; return the markdown."""
+    reference = spec.get("reference", next(iter(spec["targets"])))
+    sections = []
+    for metric in metrics(spec):
+        higher = (
+            True
+            if metric in spec.get("higher_is_better", [])
+            else None
+            if metric in spec.get("signed", [])
+            else False
+        )
+        rows = aggregate(collect(spec, out_dir, metric), reference, higher_is_better=higher)
+        direction = {True: "higher is better", False: "lower is better", None: "signed"}[higher]
+        sections.append(f"### {metric} ({direction})\n\n{table(rows)}\n")
+        plot(rows, out_dir / f"summary_{metric}.png", metric)
+        plot_curves(spec, out_dir, metric, out_dir / f"curves_{metric}.png")
+    if not spec.get("shadows") and any("beta" in log for _, log in _logs(spec, out_dir)[:1]):
+        plot_beta(spec, out_dir, out_dir / "beta.png")
+    paths = [out_dir / cell["name"] / "log.json" for cell in cells(spec)]
+    seconds = [json.loads(p.read_text()).get("seconds", 0.0) for p in paths if p.exists()]
+    median = sorted(seconds)[len(seconds) // 2] if seconds else 0.0
+    footer = f"{len(seconds)} cells, median {median:.1f} s per cell."
+    text = "\n".join(sections) + "\n" + footer + "\n"
+    (out_dir / "summary.md").write_text(text)
+    return text
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """Command line: run a grid, then print its table and write ``summary.md`` and ``summary.png``."""
+    """Command line: run a grid, then print its tables and write ``summary.md`` and the plots."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("grid", type=Path, help="the grid YAML file")
     parser.add_argument("out_dir", type=Path, help="folder of the cells (reused to resume)")
     parser.add_argument("--workers", type=int, default=1, help="local worker processes")
     args = parser.parse_args(argv)
     spec = yaml.safe_load(args.grid.read_text())
+    metrics(spec)
+    window(spec)
     run_grid(spec, args.out_dir, workers=args.workers)
-    rows = aggregate(
-        collect(spec, args.out_dir), spec.get("reference", next(iter(spec["targets"])))
-    )
-    text = table(rows)
-    print(text)
-    (args.out_dir / "summary.md").write_text(text + "\n")
-    plot(rows, args.out_dir / "summary.png", spec["metric"])
+    print(summarize(spec, args.out_dir))
 
 
 if __name__ == "__main__":

@@ -139,6 +139,7 @@ class RankReport(pl.Callback):
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "sharded": is_sharded(pl_module.actor),
+            "packed": pl_module._packs,  # forwards on packed rows (pack_sequences)
             "policy_version": pl_module.policy_version,
             "rollout_step": pl_module.rollout_step,
             "checksum": {
@@ -191,6 +192,7 @@ def run_fixed(args: argparse.Namespace) -> None:
         critic_warmup_steps=0,
         micro_batch_size=2,
         max_tokens_per_micro_batch=args.max_tokens,
+        pack_sequences=args.pack,
         # SGD with momentum: unlike Adam the update scales with the gradient, so a wrong factor in
         # the loss normalisation shows, and the momentum buffers test the optimizer checkpoint.
         actor_optimizer=functools.partial(torch.optim.SGD, lr=0.5, momentum=0.9),
@@ -244,6 +246,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--activation-checkpointing", action="store_true")
     parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--pack", action="store_true", help="BraceModule(pack_sequences=True)")
     parser.add_argument("--stop-after", type=int, default=0)
     parser.add_argument("--resume", type=str, default=None)
     args = parser.parse_args(argv)

@@ -294,6 +294,33 @@ def test_a_failing_producer_and_a_bad_publish_raise_clear_errors():
         dm.teardown("fit")
 
 
+def test_publish_buckets_fills_a_slot_bucket_by_bucket_and_a_bad_stream_keeps_it_free():
+    dm = fake_module(FakeEngine, max_staleness=0)
+    try:
+        dm.next_batch()
+        slots = dm._slots
+        assert slots is not None
+        free = len(slots._free)
+        bad_streams = [
+            ([{"weight": torch.zeros(2, 2)}], r"got no tensor for 1 keys \(first 'bias'\)"),
+            ([{"weight": torch.zeros(3)}], r"got weight of shape \(3,\); expected \(2, 2\)"),
+            ([weights_of(1), {"bias": torch.zeros(2)}], r"got 'bias' twice"),
+        ]
+        for stream, match in bad_streams:
+            with pytest.raises(ValueError, match=rf"^publish {match}"):
+                dm.publish_buckets(iter(stream), 1)
+            assert len(slots._free) == free and dm.trainer_version == 0
+        weights = weights_of(1)
+        dm.publish_buckets(iter([{"weight": weights["weight"]}, {"bias": weights["bias"]}]), 1)
+        assert dm.trainer_version == 1
+        batch = dm.next_batch()  # sampled with the published version's weights
+        assert (batch.behavior_logprobs[batch.mask] == 1.0).all()
+        with pytest.raises(ValueError, match=r"^publish got version=1; expected a version above"):
+            dm.publish_buckets(iter([weights_of(1)]), 1)
+    finally:
+        dm.teardown("fit")
+
+
 class HooklessEngine(FakeEngine):
     """A FakeEngine whose ``generate`` takes no ``on_step`` hook (weights change between batches)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 
 import pytest
@@ -250,6 +251,32 @@ def test_update_weights_rejects_bad_state_dicts(actor):
     with pytest.raises(ValueError, match="version=-1"):
         engine.update_weights(weights, version=-1)
     assert engine.version == 0
+
+
+def test_update_weights_from_buckets_installs_a_stream_and_rejects_bad_ones(actor, config):
+    other = load_causal_lm(config, seed=7)
+    weights = other.state_dict()
+    names = list(weights)
+    buckets = [{n: weights[n] for n in names[i : i + 3]} for i in range(0, len(names), 3)]
+    engine = EmbeddedEngine(actor, temperature=0.0, max_new_tokens=8, stop_token_ids=[])
+    engine.update_weights_from_buckets(iter(buckets), version=2)
+    assert engine.version == 2
+    assert all(torch.equal(engine.model.state_dict()[n], weights[n]) for n in names)
+    whole = EmbeddedEngine(actor, temperature=0.0, max_new_tokens=8, stop_token_ids=[])
+    whole.update_weights(weights, version=2)
+    assert engine.generate(PROMPTS).response_ids == whole.generate(PROMPTS).response_ids
+    bad_streams = [
+        (buckets[:-1], r"got no tensor for \d+ keys \(first '"),
+        ([*buckets, buckets[0]], r"got '[\w.]+' twice; expected each key"),
+        ([{"extra.weight": torch.zeros(1)}], r"got 'extra.weight' which is not a key of the actor"),
+        ([{names[0]: torch.zeros(3, 3)}], rf"got {re.escape(names[0])} of shape \(3, 3\)"),
+    ]
+    for stream, match in bad_streams:
+        with pytest.raises(ValueError, match=rf"^update_weights_from_buckets {match}"):
+            engine.update_weights_from_buckets(iter(stream), version=3)
+    with pytest.raises(ValueError, match=r"^update_weights_from_buckets got version=-1; expected"):
+        engine.update_weights_from_buckets(iter(buckets), version=-1)
+    assert engine.version == 2  # a failed stream does not change the version
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,9 @@ def test_export_of_a_sharded_fsdp_checkpoint_matches_the_gathered_weights(tmp_pa
         *_cli(tmp_path, "fsdp/cpu_2proc.yaml"),
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={ckpt}",
+        # FSDP: gathered on rank 0 only, bucket by bucket (models/weight_sync.py)
+        "--trainer.callbacks+=brace_lightning.export.ExportOnFitEnd",
+        f"--trainer.callbacks.out={tmp_path / 'at_fit_end'}",
         "--trainer.max_steps=1",
     )
     (checkpoint,) = ckpt.iterdir()
@@ -120,7 +123,14 @@ def test_export_of_a_sharded_fsdp_checkpoint_matches_the_gathered_weights(tmp_pa
     gathered = _weights(first)  # the full weights rank 0 gathered at the end of that run
     actor = AutoModelForCausalLM.from_pretrained(tmp_path / "exported" / "actor")
     critic = load_exported_critic(tmp_path / "exported" / "critic")
-    for name, state in (("actor", actor.state_dict()), ("critic", critic.state_dict())):
+    at_fit_end = AutoModelForCausalLM.from_pretrained(tmp_path / "at_fit_end" / "actor")
+    critic_at_fit_end = load_exported_critic(tmp_path / "at_fit_end" / "critic")
+    for name, state in (
+        ("actor", actor.state_dict()),
+        ("critic", critic.state_dict()),
+        ("actor", at_fit_end.state_dict()),
+        ("critic", critic_at_fit_end.state_dict()),
+    ):
         for key, tensor in gathered[name].items():
             torch.testing.assert_close(state[key], tensor, rtol=0, atol=0, msg=f"{name}.{key}")
 

@@ -114,6 +114,18 @@ def test_load_from_checkpoint_restores_the_kl_arguments(tmp_path: Path) -> None:
             assert torch.equal(loaded.state_dict()[name], value), name
 
 
+def test_load_from_checkpoint_restores_pack_sequences(tmp_path: Path) -> None:
+    module = BraceModule(
+        pack_sequences=True, max_tokens_per_micro_batch=64, tiny_hidden_size=32, tiny_num_layers=1
+    )
+    loaded = BraceModule.load_from_checkpoint(
+        _checkpoint(module, tmp_path / "packed.ckpt"), weights_only=True
+    )
+    assert loaded.pack_sequences is True and loaded.max_tokens_per_micro_batch == 64
+    with pytest.raises(ValueError, match="pack_sequences must be True or False; got 'yes'"):
+        BraceModule(pack_sequences="yes", tiny_hidden_size=32, tiny_num_layers=1)
+
+
 @pytest.mark.slow
 def test_cli_checkpoint_restores_target_and_objective_and_writes_hparams_yaml(
     tmp_path: Path,

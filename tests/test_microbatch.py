@@ -44,6 +44,19 @@ def test_plan_sorts_by_length_and_respects_both_limits():
         plan_micro_batches(mask, max_tokens=0)
 
 
+def test_packed_plan_counts_real_tokens_only():
+    # Rows of 3, 16, 8, 2, 12 and 1 real tokens at scattered columns: padded, the window of any
+    # two rows is wide; packed, only their lengths add up.
+    mask = _mask([(6, 9), (0, 16), (4, 12), (5, 7), (2, 14), (7, 8)], 16)
+    plan = plan_micro_batches(mask, max_tokens=14, packed=True)
+    assert [m.rows.tolist() for m in plan] == [[1], [4], [2, 0, 3, 5]]
+    for micro in plan[1:]:
+        assert int(mask[micro.rows].sum()) <= 14
+    padded = plan_micro_batches(mask, max_tokens=14)  # rows × width <= 14
+    assert [m.rows.tolist() for m in padded] == [[1], [4], [2], [0, 3, 5]]
+    assert len(plan_micro_batches(mask, max_tokens=42, packed=True)) == 1
+
+
 def test_equalize_splits_then_adds_zero_weight_fillers():
     mask = _mask([(0, 4), (1, 4), (2, 4)], 4)
     plan = plan_micro_batches(mask)
@@ -69,14 +82,23 @@ def test_score_rows_equals_one_call_and_widen_pads():
 
 
 @pytest.mark.slow
-def test_token_budget_step_equals_one_big_batch(tmp_path):
+@pytest.mark.parametrize("packed", [False, True])
+def test_token_budget_step_equals_one_big_batch(tmp_path, packed):
     """One rollout step with a 40-token budget ends at the same actor and critic weights as one
     big batch. Rows are prompt + up to 12 response tokens (20-30 columns), so the budget cuts the
-    8 rows into micro-batches of one or two, the scoring forwards included."""
+    8 rows into micro-batches of one or two, the scoring forwards included; with
+    ``--model.pack_sequences=true`` the budget counts real tokens and the rows run packed."""
     whole = run(small_run(tmp_path / "a", "--data.lag=0", steps=1))
     budget = run(
-        small_run(tmp_path / "b", "--data.lag=0", "--model.max_tokens_per_micro_batch=40", steps=1)
+        small_run(
+            tmp_path / "b",
+            "--data.lag=0",
+            "--model.max_tokens_per_micro_batch=40",
+            f"--model.pack_sequences={str(packed).lower()}",
+            steps=1,
+        )
     )
+    assert budget.model._packs is packed
     a, b = actor_weights(whole), actor_weights(budget)
     initial = load_actor(
         TINY, tokenizer=load_tokenizer(TINY), hidden_size=64, num_layers=1, seed=0

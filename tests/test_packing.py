@@ -1,13 +1,35 @@
-"""Packed sequences (``models/packing.py``) against the padded path, Qwen2- and Llama-shaped."""
+"""Packed sequences (``models/packing.py``) against the padded path, Qwen2- and Llama-shaped: the
+actor's log-probs, the critic's values, the check that refuses models which cannot pack, and whole
+training steps with ``pack_sequences`` (and the fallback to padded rows), and a smoke run of the
+throughput benchmark (``benchmarks/long_responses.py``)."""
 
 from __future__ import annotations
 
+import functools
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import BloomConfig, FalconConfig, LlamaConfig, PretrainedConfig
 
-from brace_lightning.models.packing import pack_rows, packed_token_logprobs
+import brace_lightning.module
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.packing import (
+    pack_rows,
+    packed_token_logprobs,
+    packed_values,
+    packing_problem,
+)
 from brace_lightning.models.policy import load_causal_lm, tiny_qwen2_config, token_logprobs
+from brace_lightning.models.sources import TINY
+from brace_lightning.models.tokenizer import build_char_tokenizer
+from brace_lightning.objectives import PPOEWMA
+from tests.test_kl_reference import fit_steps, fixed_batch, perturbed_reference, sgd_module, weights
 
 
 def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -64,3 +86,189 @@ def test_packed_logprobs_and_gradients_equal_padded(temperature):
         assert (lp1[~mask] == 0).all() and (lp1[2] == 0).all()
         for name, grad in g0.items():
             torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packed_values_and_gradients_equal_padded():
+    for actor in _models():
+        critic = ValueModel.from_actor(actor, seed=3, head_init_std=0.1)
+        ids, mask = _batch(actor.config.vocab_size)
+        weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
+        results = []
+        for values_of in (critic, functools.partial(packed_values, critic)):
+            critic.zero_grad(set_to_none=True)
+            values = values_of(ids, mask)
+            (values * weights).sum().backward()
+            grads = {n: p.grad.clone() for n, p in critic.named_parameters()}
+            results.append((values.detach(), grads))
+        (v0, g0), (v1, g1) = results
+        torch.testing.assert_close(v1, v0, rtol=1e-5, atol=1e-6)
+        assert (v1[~mask] == 0).all()
+        for name, grad in g0.items():
+            torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_packing_problem_passes_qwen2_and_llama_actors_and_critics():
+    for actor in _models():
+        for model in (actor.train(), ValueModel.from_actor(actor)):
+            assert packing_problem(model) is None, type(model).__name__
+            assert model.training  # the probe runs in eval mode, then restores the mode
+
+
+def test_packing_problem_names_models_that_cannot_pack():
+    # Falcon takes position ids but does not pass them to its mask: its packed rows attend to each
+    # other, which only running the model shows. BLOOM (ALiBi) takes no position ids at all.
+    falcon = load_causal_lm(
+        FalconConfig(vocab_size=89, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+        seed=0,
+    )
+    for model in (falcon, ValueModel.from_actor(falcon)):
+        assert "packed rows do not match the rows run one by one" in packing_problem(model)
+    bloom = load_causal_lm(
+        BloomConfig(vocab_size=89, hidden_size=32, n_layer=2, n_head=4),
+        seed=0,
+        attn_implementation="eager",
+    )
+    assert packing_problem(bloom) == "BloomModel.forward takes no position_ids"
+    qwen = _models()[0]
+    qwen.config._attn_implementation = "paged|eager"
+    assert packing_problem(qwen) == (
+        "transformers builds no packed-sequence mask for attention 'paged|eager'"
+    )
+
+
+def _actor_folder(tmp_path: Path, config: PretrainedConfig) -> str:
+    """A randomly initialised actor of ``config`` saved with the character tokenizer."""
+    tokenizer = build_char_tokenizer()
+    folder = tmp_path / type(config).__name__
+    load_causal_lm(config, seed=0).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def _llama(vocab: int) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+    )
+
+
+def _train(source: str, **kwargs: Any) -> tuple[dict[str, dict], dict[str, float]]:
+    """Actor and critic weights after one SGD rollout step on the fixed batch (2 minibatches),
+    and its metrics. With an EWMA actor it scores already (as from the second step on); with
+    ``kl_coef`` the reference differs from the actor (as after training)."""
+    module = sgd_module(actor=source, num_minibatches=2, **kwargs)
+    if module.ewma_actor is not None:
+        module.ewma_steps.fill_(1)
+    if module.reference_actor is not None:
+        perturbed_reference(module)
+    metrics = fit_steps(module, fixed_batch(), steps=1)
+    assert module._packs is kwargs.get("pack_sequences", False)
+    return {"actor": weights(module.actor), "critic": weights(module.critic)}, metrics
+
+
+@pytest.mark.parametrize("shape", ["qwen2", "llama"])
+def test_a_packed_training_step_equals_the_padded_one(
+    shape: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed micro-batches under a 12-real-token budget end at the weights of one padded batch,
+    and no actor or critic forward sees padded rows. The Qwen2 step also scores with an EWMA
+    actor and a KL reference policy (both packed)."""
+    vocab = len(build_char_tokenizer())
+    source = TINY if shape == "qwen2" else _actor_folder(tmp_path, _llama(vocab))
+    extra: dict[str, Any] = {}
+    if shape == "qwen2":
+        extra = {"actor_objective": PPOEWMA(ewma_decay=0.5), "kl_coef": 0.05}
+    padded, padded_metrics = _train(source, **extra)
+    assert padded_metrics["actor/grad_norm"] > 0 and padded_metrics["critic/grad_norm"] > 0
+
+    def padded_call(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("a packed run called token_logprobs on padded rows")
+
+    monkeypatch.setattr(brace_lightning.module, "token_logprobs", padded_call)
+    critic_calls: list[bool] = []
+    monkeypatch.setattr(
+        ValueModel,
+        "forward",
+        functools.partialmethod(_recording_forward, critic_calls, ValueModel.forward),
+    )
+    packed, packed_metrics = _train(
+        source, pack_sequences=True, max_tokens_per_micro_batch=12, **extra
+    )
+    assert critic_calls and not any(critic_calls), "a critic forward ran on padded rows"
+    for name in ("actor", "critic"):
+        for key, value in packed[name].items():
+            torch.testing.assert_close(value, padded[name][key], rtol=1e-5, atol=1e-5, msg=key)
+    keys = ["actor/loss", "critic/loss", "actor/grad_norm", "critic/grad_norm"]
+    if shape == "qwen2":
+        keys += ["actor/kl_ref_loss", "kl/ref"]
+    for key in keys:
+        assert packed_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-5, abs=1e-6), key
+
+
+def _recording_forward(
+    critic: ValueModel,
+    calls: list[bool],
+    forward: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``ValueModel.forward`` that records whether it got padded rows (an attention mask)."""
+    calls.append(attention_mask is not None)
+    return forward(critic, input_ids, attention_mask, position_ids)
+
+
+def test_a_model_that_cannot_pack_trains_on_padded_rows_after_one_sentence(
+    tmp_path: Path,
+) -> None:
+    vocab = len(build_char_tokenizer())
+    falcon = _actor_folder(
+        tmp_path,
+        FalconConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+    )
+    padded, _ = _train(falcon)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        module = sgd_module(actor=falcon, num_minibatches=2, pack_sequences=True)
+        fit_steps(module, fixed_batch(), steps=1)
+    sentences = [str(w.message) for w in caught if "pack_sequences" in str(w.message)]
+    assert sentences == [
+        "pack_sequences=True: the FalconForCausalLM cannot run on packed rows (its packed rows do "
+        f"not match the rows run one by one{sentences[0].split('one by one')[1]}"
+    ]
+    assert sentences[0].endswith("); every forward uses padded rows.")
+    assert module._packs is False
+    for name, model in (("actor", module.actor), ("critic", module.critic)):
+        for key, value in weights(model).items():
+            assert torch.equal(value, padded[name][key]), key
+
+
+@pytest.mark.slow
+def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() -> None:
+    root = Path(__file__).resolve().parents[1]
+    quick = "--layers 1 --vocab 1000 --lengths 16 --rows 4 --batch-lengths 8 64 --max-tokens 96"
+    done = subprocess.run(
+        [sys.executable, "-m", "benchmarks.long_responses", *quick.split(), "--repeats", "1"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    lines = done.stdout.splitlines()
+    assert any(line.startswith("| 16 | chunked |") for line in lines), done.stdout
+    assert "4 responses, log-uniform 8..64 (seed 0): 170 tokens, longest 60" in done.stdout
+    # Rows of 60, 35, 21 and 54 tokens: padded under 96 tokens, 60 + 54 + 2 × 35 are computed in
+    # 3 forwards; packed, only the 170 real ones, in 3 forwards (60 | 54 + 35 | 21).
+    table = {line.split(" | ")[0]: line.split(" | ")[1:3] for line in lines if "budget" in line}
+    assert table["| sorted, 96 padded-token budget, chunked"] == ["3", "184"]
+    assert table["| sorted, 96 real-token budget, packed, chunked"] == ["3", "170"]

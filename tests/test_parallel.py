@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -38,8 +39,10 @@ from brace_lightning.models.parallelize import (
     unsharded_copy,
 )
 from brace_lightning.models.policy import token_logprobs
+from brace_lightning.models.weight_sync import gather_state_dict, gathered_buckets, plan_buckets
 from brace_lightning.module import BraceModule, combine_rank_metrics
 from brace_lightning.objectives import PPOEWMA
+from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 from tests.dist_support import one_process_group
 
@@ -188,6 +191,120 @@ def test_data_module_state_is_kept_per_rank() -> None:
     assert gather_rank_states(SimpleNamespace(trainer=None), state) is state
 
 
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "64"])
+def test_publish_bucket_size_must_be_none_or_a_positive_integer(bad: object) -> None:
+    with pytest.raises(
+        ValueError,
+        match=rf"^weight_sync_bucket_mb must be None \(gather the whole state dict at once\) or an "
+        rf"integer number of MiB >= 1; got {re.escape(repr(bad))}\.$",
+    ):
+        BraceModule(tiny_hidden_size=64, tiny_num_layers=1, weight_sync_bucket_mb=bad)
+
+
+def test_publish_bucket_plan_keeps_the_order_and_puts_a_large_tensor_alone() -> None:
+    state = {
+        "a": torch.zeros(4),  # 16 bytes
+        "b": torch.zeros(4),
+        "big": torch.zeros(100),  # 400 bytes, larger than a bucket
+        "c": torch.zeros(2),
+        "d": torch.zeros(8),
+    }
+    assert plan_buckets(state, 40) == [["a", "b"], ["big"], ["c", "d"]]
+    assert plan_buckets(state, 1) == [["a"], ["b"], ["big"], ["c"], ["d"]]
+    with pytest.raises(ValueError, match=r"^plan_buckets got bucket_bytes=0; expected an int >= 1"):
+        plan_buckets(state, 0)
+
+
+def test_publish_buckets_on_one_rank_equal_full_state_dict_with_tied_weights_once(
+    mesh: DeviceMesh,
+) -> None:
+    actor = parallelize(tiny_actor(layers=2), mesh, activation_checkpointing=True)
+    reference = full_state_dict(actor)
+    buckets = list(gathered_buckets(actor, bucket_bytes=5000))
+    assert len(buckets) > 2
+    merged = {name: t for bucket in buckets for name, t in bucket.items()}
+    assert set(merged) == set(reference) and len(merged) == sum(len(b) for b in buckets)
+    assert all(torch.equal(merged[name], reference[name]) for name in reference)
+    # tied embeddings: gathered once, given under both names in the same bucket
+    assert merged["lm_head.weight"] is merged["model.embed_tokens.weight"]
+    with pytest.raises(
+        ValueError,
+        match=r"^gathered_buckets got dst=1; expected None \(every rank receives\) or a global "
+        r"rank in \[0, 1\)\.$",
+    ):
+        next(gathered_buckets(actor, bucket_bytes=5000, dst=1))
+    assert gather_state_dict(actor, bucket_bytes=5000, dst=0) is not None
+
+
+class _WholeDictData:
+    """A data module that takes whole state dicts only (no ``publish_buckets``)."""
+
+    def __init__(self) -> None:
+        self.published: list[tuple[dict[str, torch.Tensor], int]] = []
+
+    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
+        self.published.append((weights, version))
+
+
+class _FirstBucketData(_WholeDictData):
+    """Takes the first bucket of each stream and leaves the rest (the module must drain it)."""
+
+    def publish_buckets(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> None:
+        self.published.append((next(iter(buckets)), version))
+
+
+def test_publish_from_a_sharded_module_streams_falls_back_and_checks_finiteness(
+    mesh: DeviceMesh,
+) -> None:
+    module = BraceModule(tiny_hidden_size=64, tiny_num_layers=1, weight_sync_bucket_mb=1)
+    parallelize(module.actor, mesh)
+    reference = full_state_dict(module.actor)
+    for bucket_mb in (1, None):  # buckets, then the old whole-dict path
+        module.weight_sync_bucket_mb = bucket_mb
+        whole = _WholeDictData()
+        module._trainer = SimpleNamespace(datamodule=whole)  # type: ignore[assignment]
+        module._publish()
+        [(weights, version)] = whole.published
+        assert version == module.policy_version and set(weights) == set(reference)
+        assert all(torch.equal(weights[name], reference[name]) for name in reference)
+    module.weight_sync_bucket_mb = 1
+    first = _FirstBucketData()
+    module._trainer = SimpleNamespace(datamodule=first)  # type: ignore[assignment]
+    module._publish()  # the stream is run to its end although the data module stopped early
+    assert len(first.published) == 1
+    with torch.no_grad():
+        module.actor.model.norm.weight.to_local()[0] = float("nan")
+    with pytest.raises(
+        FloatingPointError,
+        match=r"^the actor's weights became non-finite at rollout step -1 \(1 of \d+ tensors, "
+        r"first 'model.norm.weight'\)",
+    ):
+        module._publish()
+    assert len(first.published) == 1  # nothing was published
+
+
+def test_publish_buckets_to_a_lagged_data_module_keeps_the_gathered_tensors() -> None:
+    actor = tiny_actor(layers=1)
+    data = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward(), lag=1)
+    data.engine = EmbeddedEngine(actor)
+    data._history[0] = {k: v.clone() for k, v in actor.state_dict().items()}
+
+    def version(value: float) -> list[dict[str, torch.Tensor]]:
+        names = list(actor.state_dict())
+        weights = {k: torch.full_like(v, value) for k, v in actor.state_dict().items()}
+        return [{n: weights[n] for n in names[:3]}, {n: weights[n] for n in names[3:]}]
+
+    first = version(1.0)
+    data.publish_buckets(iter(first), 1)
+    assert data.engine.version == 0  # lag 1: the engine still samples with version 0
+    assert data._history[1]["model.norm.weight"] is first[1]["model.norm.weight"]  # not copied
+    data.publish_buckets(iter(version(2.0)), 2)
+    assert data.engine.version == 1 and sorted(data._history) == [1, 2]
+    assert all(bool((t == 1.0).all()) for t in data.engine.model.state_dict().values())
+    with pytest.raises(ValueError, match=r"^publish got version=2; expected a version above"):
+        data.publish_buckets(iter(version(3.0)), 2)
+
+
 # ---------------------------------------------------------------------- multi-process runs
 
 
@@ -237,17 +354,21 @@ def single_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize(
+    ("strategy", "pack"), [("fsdp", False), ("ddp", False), ("fsdp", True), ("ddp", True)]
+)
 def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
-    strategy: str, single_run: Path, tmp_path: Path
+    strategy: str, pack: bool, single_run: Path, tmp_path: Path
 ) -> None:
     # A 12-token budget cuts rank 0's rows into 3 micro-batches and rank 1's into 4: rank 0 splits
     # one more so both run the same number of forwards and backwards (FSDP2 and DDP need it), and
-    # the result must still equal the single process's, which has no budget.
-    common = ("--devices", "2", "--steps", "2", "--max-tokens", "12")
+    # the result must still equal the single process's, which has no budget. With packing the
+    # budget counts real tokens (here the same plans) and every forward runs on packed rows.
+    common = ("--devices", "2", "--steps", "2", "--max-tokens", "12", *(["--pack"] if pack else []))
     reports = _driver(tmp_path, "fixed", "--strategy", strategy, *common)
     _assert_ranks_agree(reports)
     assert reports[0]["sharded"] is (strategy == "fsdp")
+    assert reports[0]["packed"] is pack
     assert reports[0]["published"] == [1, 2]  # full, unsharded weights after every step
     single, initial = _weights(single_run), BraceModule(tiny_hidden_size=64, tiny_num_layers=2)
     parallel = _weights(tmp_path)
@@ -409,3 +530,179 @@ def test_bf16_mixed_precision_matches_the_fp32_path_within_tolerance(mesh: Devic
 def test_cpu_offload_on_a_cpu_mesh_is_a_clear_error(mesh: DeviceMesh) -> None:
     with pytest.raises(ValueError, match="cpu_offload=True on a 'cpu' device mesh"):
         parallelize(tiny_actor(1), mesh, cpu_offload=True)
+
+
+# ---------------------------------------------------------------- publishing weights in buckets
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def _bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors differ in keys, dtype, shape or any bit (empty when identical)."""
+    if set(a) != set(b):
+        return sorted(set(a) ^ set(b))
+    return [
+        name
+        for name in a
+        if a[name].dtype != b[name].dtype
+        or a[name].shape != b[name].shape
+        or not torch.equal(_bits(a[name]), _bits(b[name]))
+    ]
+
+
+def _publish_rank_main(rank: int, port: int, out: str) -> None:
+    """Rank ``rank`` of a 2-rank gloo run: engines built from the initial actor, the shards then
+    changed, and the new weights published today's way and in buckets; results to ``out``."""
+    import torch.distributed as dist
+
+    from brace_lightning.models.weight_sync import gather_state_dict, gathered_buckets
+    from brace_lightning.rollout.embedded import EmbeddedEngine
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+        actor = load_actor(
+            "tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=3, seed=5
+        )
+        parallelize(actor, mesh, activation_checkpointing=True)
+        old_engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=None))
+        engines = {size: EmbeddedEngine(unsharded_copy(actor)) for size in (1, 6000)}
+        dm = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward())
+        dm.engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=4096))
+        with torch.no_grad():  # new weights, different on each rank's shards
+            generator = torch.Generator().manual_seed(100 + rank)
+            for param in actor.parameters():
+                local = param.to_local()
+                local.add_(torch.randn(local.shape, generator=generator))
+        reference = full_state_dict(actor)  # today's path: the full dict on every rank
+        old_engine.update_weights(reference, 1)
+        for size, engine in engines.items():
+            engine.update_weights_from_buckets(gathered_buckets(actor, bucket_bytes=size), 1)
+        dm.publish_buckets(gathered_buckets(actor, bucket_bytes=6000), 1)
+        to_rank0 = gather_state_dict(actor, bucket_bytes=6000, dst=0)
+        results = {
+            "old_engine": _bit_identical(old_engine.model.state_dict(), reference),
+            **{
+                f"engine_{size}": _bit_identical(engine.model.state_dict(), reference)
+                for size, engine in engines.items()
+            },
+            "datamodule": _bit_identical(dm.engine.model.state_dict(), reference),
+            "versions": [e.version for e in (*engines.values(), dm.engine)],
+            "rank0": None if to_rank0 is None else _bit_identical(to_rank0, reference),
+            "copy": _bit_identical(unsharded_copy(actor).state_dict(), reference),
+            "changed": not torch.equal(
+                reference["model.norm.weight"], torch.ones_like(reference["model.norm.weight"])
+            ),
+        }
+        torch.save(results, f"{out}/publish{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_publish_in_buckets_gives_the_engines_bit_identical_weights_on_two_ranks(
+    tmp_path: Path,
+) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.dist_support import free_port
+
+    mp.spawn(_publish_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        results = torch.load(tmp_path / f"publish{rank}.pt")
+        assert results["changed"]  # the engines had to install new weights
+        for key in ("old_engine", "engine_1", "engine_6000", "datamodule", "copy"):
+            assert results[key] == [], (rank, key, results[key])
+        assert results["versions"] == [1, 1, 1]
+        assert results["rank0"] == ([] if rank == 0 else None)  # only rank 0 receives
+
+
+def _memory_rank_main(rank: int, port: int, out: str) -> None:
+    """Peak extra host RSS of each publish path on rank ``rank`` of a 2-rank gloo run."""
+    import ctypes
+    import gc
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from brace_lightning.models.weight_sync import MIB, drain, gathered_buckets
+    from brace_lightning.rollout.engine import copy_buckets
+
+    def reset() -> int:
+        gc.collect()
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+        with open("/proc/self/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    def peak() -> int:
+        with open("/proc/self/status") as status:
+            line = next(line for line in status if line.startswith("VmHWM:"))
+        return int(line.split()[1]) * 1024
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        torch.manual_seed(0)
+        config = Qwen2Config(
+            hidden_size=256,
+            intermediate_size=1024,
+            num_hidden_layers=8,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=4096,
+            tie_word_embeddings=True,
+        )
+        actor = AutoModelForCausalLM.from_config(config)
+        model_bytes = sum(p.numel() * 4 for p in actor.parameters())
+        parallelize(actor, init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",)))
+        # zeros, not empty: the pages of the stand-in engine are touched before the measurement
+        target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in actor.state_dict().items()}
+        peaks = {}
+        for mode in ("full", "every_rank", "rank0"):
+            dist.barrier()
+            base = reset()
+            if mode == "full":
+                weights = full_state_dict(actor)
+                del weights
+            else:
+                buckets = gathered_buckets(
+                    actor, bucket_bytes=4 * MIB, dst=0 if mode == "rank0" else None
+                )
+                if mode == "every_rank" or rank == 0:
+                    copy_buckets(buckets, target)  # what an engine does with each bucket
+                drain(buckets)
+            peaks[mode] = peak() - base
+        torch.save({"peaks": peaks, "model_bytes": model_bytes}, f"{out}/memory{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_publish_peak_memory_of_a_rank_is_bounded_by_the_bucket_not_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.multiprocessing as mp
+
+    from brace_lightning.models.weight_sync import MIB
+    from tests.dist_support import free_port
+
+    # Freed tensors go back to the OS at once, so a peak cannot hide in reused heap memory.
+    monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
+    mp.spawn(_memory_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        report = torch.load(tmp_path / f"memory{rank}.pt")
+        peaks, model_bytes = report["peaks"], report["model_bytes"]
+        # today's path: every rank holds the whole model (the tied embedding twice) at once
+        assert peaks["full"] > model_bytes, (rank, peaks, model_bytes)
+        # buckets of 4 MiB, the largest tensor (the embedding) 4 MiB: a receiving rank holds one
+        # bucket and gloo's copy of the tensor being gathered
+        assert peaks["every_rank"] < 3 * 4 * MIB, (rank, peaks)
+        if rank == 0:
+            assert peaks["rank0"] < 3 * 4 * MIB, peaks
+        else:  # sends its shards, keeps nothing
+            assert peaks["rank0"] < 4 * MIB, peaks

@@ -390,3 +390,92 @@ def test_closed_loop_rejects_bad_config() -> None:
 
     with pytest.raises(ValueError, match="staleness must be >= 0; got -1"):
         ClosedLoopConfig(staleness=-1)
+
+
+def test_closed_loop_beta_is_one_for_the_plain_return_and_logged_per_horizon_bin() -> None:
+    from brace_lightning.objectives import PPOClip
+    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
+
+    config = ClosedLoopConfig(horizon=16, versions=6, batch_size=64, staleness=2, seed=1)
+    gae = run_closed_loop(config, GAE(), PPOClip())
+    assert gae.beta_edges == [1, 2, 4, 8, 16]
+    for row in gae.beta:  # GAE with λ = 1 regresses on the return itself: slope 1 where defined
+        assert [b for b in row if b is not None] == pytest.approx(
+            [1.0] * sum(b is not None for b in row)
+        )
+        assert sum(b is not None for b in row) >= 3
+    vtrace = run_closed_loop(config, VTrace(), PPOClip())
+    assert any(b is not None and abs(b - 1.0) > 1e-3 for row in vtrace.beta[2:] for b in row)
+
+
+def test_drift_is_scaled_to_the_requested_kl_on_pi_occupancy() -> None:
+    from brace_lightning.sim.closed_loop import _drift
+
+    mdp = CountingMDP.calibrated(64, 4, success=0.1)
+    pi = _random_logits(mdp, seed=5, scale=0.5)
+    log_pi = torch.log_softmax(pi, dim=-1)
+    weights = occupancy(mdp, pi) / mdp.horizon
+    for kind in ("gaussian", "sparse"):
+        mu = _drift(mdp, pi, log_pi, weights, kind, 0.02, torch.Generator().manual_seed(0))  # type: ignore[arg-type]
+        log_mu = torch.log_softmax(mu, dim=-1)
+        kl = float((weights * (log_mu.exp() * (log_mu - log_pi)).sum(-1)).sum())
+        assert kl == pytest.approx(0.02, rel=1e-3)
+        unreached = weights <= 1e-14
+        assert bool(unreached.any()) and torch.equal(mu[unreached], pi[unreached])
+
+
+def test_mlp_actor_learns_and_moves_states_it_never_visited() -> None:
+    from brace_lightning.objectives import PPOClip
+    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
+
+    # A tabular actor only moves the logits of sampled states; the MLP's shared weights move all,
+    # so its per-token KL between versions is spread over states the sampler rarely reaches.
+    log = run_closed_loop(
+        ClosedLoopConfig(
+            horizon=16, versions=40, batch_size=64, actor="mlp", actor_lr=0.03, seed=2
+        ),
+        BRACE(k=4),
+        PPOClip(),
+    )
+    assert log.value_pi[-1] > log.value_pi[0] + 0.1
+    # One gradient step on a single state (t = 0, c = 0): the table moves only there; the MLP moves
+    # every state (its first step only trains the zero-initialized output layer's bias and weights).
+    from brace_lightning.sim.closed_loop import _Actor
+
+    mdp = CountingMDP.calibrated(16, 4, success=0.1)
+    for kind, moves_elsewhere in (("tabular", False), ("mlp", True)):
+        actor = _Actor(ClosedLoopConfig(horizon=16, actor=kind), mdp)  # type: ignore[arg-type]
+        before = actor.table()
+        assert torch.equal(before, torch.zeros_like(before))  # both start uniform
+        loss = -actor.log_probs(torch.tensor([[0]]), torch.tensor([[0]]))[0, 0, 0]
+        actor.optimizer.zero_grad()
+        loss.backward()
+        actor.optimizer.step()
+        change = (actor.table() - before).abs().sum(-1)
+        assert float(change[0, 0]) > 0.0
+        assert (float(change[5:, 1:].max()) > 0.0) is moves_elsewhere
+    with pytest.raises(ValueError, match="actor must be 'tabular' or 'mlp'; got 'lstm'"):
+        ClosedLoopConfig(actor="lstm")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("critic", ["tabular", "mlp"])
+def test_shadow_critics_learn_from_the_same_data_without_touching_the_run(critic: str) -> None:
+    from brace_lightning.objectives import PPOClip
+    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
+
+    config = ClosedLoopConfig(
+        horizon=16, versions=8, staleness=2, drift="gaussian", drift_kl=0.02, critic=critic,
+        critic_lr=0.5 if critic == "tabular" else 0.01, seed=3,
+    )  # fmt: skip
+    plain = run_closed_loop(config, BRACE(k=4), PPOClip())
+    shadowed = run_closed_loop(
+        config, BRACE(k=4), PPOClip(), shadow_targets={"same": BRACE(k=4), "gae": GAE()}
+    )
+    assert shadowed.value_pi == plain.value_pi and shadowed.gap_pi == plain.gap_pi
+    assert plain.shadow_gap_pi == {}
+    # A shadow with the driving critic's target, kind and budget is that critic, version by
+    # version — except the MLP, whose initial weights come from a later draw of the seeded RNG.
+    if critic == "tabular":
+        assert shadowed.shadow_gap_pi["same"] == plain.gap_pi
+    assert len(shadowed.shadow_gap_pi["gae"]) == 8
+    assert shadowed.shadow_gap_pi["gae"] != shadowed.shadow_gap_pi["same"]

@@ -16,15 +16,17 @@
 # %% [markdown]
 # # 00 — Quickstart: PPO with a critic on a laptop CPU
 #
-# A tiny Qwen2 model with a character tokenizer learns two-operand arithmetic (`12+7=` →
-# `12+7=19#19`) with PPO and a critic. We build the same objects the CLI builds from
-# `configs/quickstart.yaml` — a `BraceModule`, a `RolloutDataModule` and a Lightning `Trainer` —
-# train once with the BRACE value target and once with PPO's plain GAE target, and plot the
-# TensorBoard scalars. The engine samples with the weights of two versions ago (`lag=2`), so the
-# critic is fit on stale data: the setting BRACE corrects.
+# A tiny Qwen2 model with a character tokenizer learns two-operand addition (`3+4=` → `3+4=7#7`)
+# with PPO and a critic. We build the same objects the CLI builds from `configs/quickstart.yaml` — a
+# `BraceModule`, a `RolloutDataModule` and a Lightning `Trainer` — train once with the BRACE value
+# target and once with PPO's plain GAE target, and plot the TensorBoard scalars. The engine samples
+# with the weights of two versions ago (`lag=2`), so the critic is fit on stale data: the setting
+# BRACE corrects.
 #
-# Sizes are cut down so that the notebook runs in a few minutes on two cores; the recipe in
-# `configs/quickstart.yaml` is the full-size version (`brace-lightning fit --config ...`).
+# Sizes are cut down so that the notebook runs in about three minutes on two cores: operands up to 5,
+# a short supervised warm start (40 steps) that leaves the policy right only about a quarter of the
+# time, and 32 rollout steps of 16 prompts × 8 samples. The recipe in `configs/quickstart.yaml` is
+# the full-size version (`brace-lightning fit --config ...`).
 
 # %%
 import functools
@@ -44,7 +46,7 @@ from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 
 torch.set_num_threads(1)
 log_root = tempfile.mkdtemp(prefix="brace-quickstart-")
-STEPS = 8  # rollout steps per run (the recipe uses 40)
+STEPS = 32  # rollout steps per run (the recipe uses 40)
 
 
 # %% [markdown]
@@ -61,17 +63,18 @@ def train(value_target, name: str) -> str:
     module = BraceModule(
         actor="tiny-char",
         value_target=value_target,
-        actor_optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
+        actor_optimizer=functools.partial(torch.optim.AdamW, lr=3e-4),
         critic_optimizer=functools.partial(torch.optim.AdamW, lr=1e-3),
-        critic_warmup_steps=2,
+        critic_warmup_steps=2,  # the first two steps train the critic only
+        ppo_epochs=2,
         num_minibatches=2,
     )
     data = RolloutDataModule(
-        task=ArithmeticTask(num_operands=2, max_value=20, ops="+-"),
+        task=ArithmeticTask(num_operands=2, max_value=5, ops="+"),
         reward=ArithmeticReward(),
         engine=functools.partial(EmbeddedEngine, temperature=1.0, max_new_tokens=16),
-        prompts_per_step=8,
-        samples_per_prompt=4,
+        prompts_per_step=16,
+        samples_per_prompt=8,
         lag=2,
         max_staleness=2,
     )
@@ -81,7 +84,7 @@ def train(value_target, name: str) -> str:
         limit_train_batches=STEPS,
         log_every_n_steps=1,  # one training step is one rollout step; Lightning's default is 50
         logger=pl.loggers.TensorBoardLogger(log_root, name=name),
-        callbacks=[SupervisedWarmStart(num_pairs=5000, steps=150, batch_size=64)],
+        callbacks=[SupervisedWarmStart(num_pairs=5000, steps=40, batch_size=64)],
         enable_checkpointing=False,
         enable_model_summary=False,
         enable_progress_bar=False,
@@ -112,17 +115,31 @@ axes[0].legend()
 fig.tight_layout()
 
 # %% [markdown]
-# What to look at: `data/staleness_mean` reaches the lag (2) once the actor starts training after
-# the critic warm-up; `rollout/reward` starts from the warm-start's accuracy. With eight steps the
-# two curves mostly show noise — `benchmarks/learning_curves.py` runs the full recipe over three
-# seeds per target, and `tutorials/01_stale_critic_bias` shows the critic bias itself with exact
-# ground truth.
+# What to look at: `rollout/reward` starts from the warm start's accuracy (about a quarter right;
+# the first two steps train the critic only) and rises for both targets. Averaged over the first
+# and the last quarter of the run (8 steps each), BRACE goes from 0.24 to 0.48 and GAE from 0.23 to
+# 0.50 in 32 rollout steps (the cell below prints them). Over seeds 0, 1 and 2 the rise was 0.19–0.39
+# for BRACE and 0.20–0.41 for GAE, so the cell asserts a rise of more than 0.1. A single step's
+# reward is noisy (16 prompts); both runs draw the same prompts, so their dips coincide.
+#
+# `data/staleness_mean` reaches the lag (2) once the actor starts training after the critic
+# warm-up: every trained sample comes from the policy of two updates earlier, so the critic is fit
+# on the old policy's returns — the bias BRACE's critic target corrects. At this size and lag the
+# two targets are not expected to differ beyond seed noise: `docs/results.md` is where the project
+# tracks when the critic-side correction helps (long horizons and large lags, still an open
+# question there), `tutorials/01_stale_critic_bias` shows the critic bias itself with exact ground
+# truth, and `benchmarks/learning_curves.py` runs the full recipe over three seeds per target.
 
 # %%
+QUARTER = STEPS // 4
 for name, series in scalars.items():
     rewards = [value for _, value in series["rollout/reward"]]
+    first, last = sum(rewards[:QUARTER]) / QUARTER, sum(rewards[-QUARTER:]) / QUARTER
+    staleness = series["data/staleness_mean"][-1][1]
     print(
-        f"{name}: reward first {rewards[0]:.2f}, last {rewards[-1]:.2f}, staleness "
-        f"{series['data/staleness_mean'][-1][1]:.0f}"
+        f"{name}: mean reward {first:.2f} over the first {QUARTER} steps, {last:.2f} over the "
+        f"last {QUARTER}; staleness {staleness:.0f}"
     )
     assert len(rewards) == STEPS
+    assert round(staleness) == 2  # the lag
+    assert last > first + 0.1, f"{name}: the reward did not rise ({first:.2f} -> {last:.2f})"

@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -71,6 +71,7 @@ from brace_lightning.data.sync import (
 from brace_lightning.data.throughput import TokenThroughput
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import full_state_dict, is_sharded, unsharded_copy
+from brace_lightning.models.weight_sync import gathered_buckets, module_bucket_bytes
 from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
 from brace_lightning.rollout.multiturn import check_reward_or_env
 from brace_lightning.rollout.types import RolloutBatch
@@ -301,7 +302,9 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
 
     def _spawn(self, actor: nn.Module) -> None:
         if self.producer == "thread":
-            engine = build_engine(self._spec(), unsharded_copy(actor))
+            engine = build_engine(
+                self._spec(), unsharded_copy(actor, bucket_bytes=self._bucket_bytes())
+            )
             self._handle = ProducerHandle.thread(self._spec(), engine)
             return
         config = getattr(actor, "config", None)
@@ -324,10 +327,17 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         if self._handle is None:
             self._spawn(actor)
         assert self._handle is not None
-        # Under FSDP every rank takes part in the gather and gets the full weights.
-        weights = full_state_dict(actor) if is_sharded(actor) else actor.state_dict()
-        self._slots = WeightSlots(weights, self._slot_count(), shared=self.producer == "process")
-        slot = self._slots.fill(weights)
+        # Under FSDP every rank takes part in the gather and gets the full weights (each rank's
+        # producer needs them), a bucket at a time straight into the first slot.
+        bucket_bytes = self._bucket_bytes()
+        shared = self.producer == "process"
+        if is_sharded(actor) and bucket_bytes is not None:
+            self._slots = WeightSlots(actor.state_dict(), self._slot_count(), shared=shared)
+            slot = self._slots.fill_buckets(gathered_buckets(actor, bucket_bytes=bucket_bytes))
+        else:
+            weights = full_state_dict(actor) if is_sharded(actor) else actor.state_dict()
+            self._slots = WeightSlots(weights, self._slot_count(), shared=shared)
+            slot = self._slots.fill(weights)
         self._handle.send(
             ("init", self.trainer_version, self._slots.tensors, slot, self._engine_state)
         )
@@ -335,6 +345,11 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self._first_return = None
         self._throughput.reset()
         self._trainer_idle_total = self._producer_idle_total = 0.0
+
+    def _bucket_bytes(self) -> int | None:
+        """The trainer module's weight-sync bucket size (``models/weight_sync.py``)."""
+        module = None if self.trainer is None else self.trainer.lightning_module
+        return module_bucket_bytes(module)
 
     def _trainer_actor(self, *, required: bool = True) -> nn.Module | None:
         module = None if self.trainer is None else self.trainer.lightning_module
@@ -373,6 +388,28 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             ValueError: when ``version`` does not increase or the keys differ from the actor's.
             RuntimeError: when the producer died or failed (for example installing weights).
         """
+        self._publish_with(version, check=weights, fill=lambda slots: slots.fill(weights))
+
+    def publish_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """:meth:`publish` for weights arriving as buckets of the full state dict (an FSDP2
+        trainer gathers them a bucket at a time, ``models/weight_sync.py``): each bucket is copied
+        into a free weight slot as it arrives. The caller runs the stream to its end afterwards.
+
+        Raises:
+            ValueError: as :meth:`publish` (a key or shape that differs, keys missing).
+            RuntimeError: as :meth:`publish`.
+        """
+        self._publish_with(version, check=None, fill=lambda slots: slots.fill_buckets(buckets))
+
+    def _publish_with(
+        self,
+        version: int,
+        *,
+        check: Mapping[str, torch.Tensor] | None,
+        fill: Callable[[WeightSlots], int],
+    ) -> None:
+        """Check ``version`` (and ``check``, the weights' keys and shapes), wait for a free slot,
+        ``fill`` it and send it to the producer."""
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"publish got version={version!r}; expected an integer.")
         if version <= self.trainer_version:
@@ -383,7 +420,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         if self._started:
             assert self._handle is not None and self._slots is not None
             slots = self._slots
-            slots.check(weights)
+            if check is not None:
+                slots.check(check)
             self._pump(0)
             self._check_health(f"publishing version {version}")
             if not slots.has_free:  # an engine without decoding-step hooks frees slots per batch
@@ -393,7 +431,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
                 )
                 if self._first_return is not None:
                     self._trainer_idle_total += time.monotonic() - entered
-            self._handle.send(("weights", version, slots.fill(weights)))
+            self._handle.send(("weights", version, fill(slots)))
         self.trainer_version = version
         if self._started:
             self._grant()

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,6 +30,7 @@ from brace_lightning.data.empty import EmptyBatchGuard
 from brace_lightning.data.throughput import TokenThroughput
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.parallelize import unsharded_copy
+from brace_lightning.models.weight_sync import collect_buckets, module_bucket_bytes
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
 from brace_lightning.rollout.multiturn import check_reward_or_env, collect_batch
@@ -78,7 +79,8 @@ class _ValidationRollouts(IterableDataset):
     def __iter__(self) -> Iterator[RolloutBatch]:
         dm: Any = self.datamodule
         module = dm.trainer.lightning_module
-        engine = (dm.engine_factory or EmbeddedEngine)(unsharded_copy(module.actor))
+        actor = unsharded_copy(module.actor, bucket_bytes=module_bucket_bytes(module))
+        engine = (dm.engine_factory or EmbeddedEngine)(actor)
         generator = torch.Generator().manual_seed(self.seed)
         try:
             for index in range(self.num_batches):
@@ -242,6 +244,11 @@ class RolloutDataModule(pl.LightningDataModule):
 
     def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
         """The trainer finished version ``version``; hand the engine the weights it should use."""
+        self._install(weights, version, fresh=False)
+
+    def _install(self, weights: Mapping[str, torch.Tensor], version: int, *, fresh: bool) -> None:
+        """:meth:`publish`; ``fresh`` weights are new CPU tensors this module may keep as they are
+        (a lagged engine's history needs no second copy of them)."""
         if version <= self.trainer_version and self.engine is not None:
             raise ValueError(
                 f"publish got version={version}; expected a version above the last one "
@@ -252,12 +259,29 @@ class RolloutDataModule(pl.LightningDataModule):
             if self.engine is not None:
                 self.engine.update_weights(weights, version)
             return
-        self._history[version] = _cpu_copy(weights)
+        self._history[version] = _cpu_copy(weights, fresh)
         behavior_version = version - self.lag
         for old in [v for v in self._history if v < behavior_version]:
             del self._history[old]
         if self.engine is not None and behavior_version in self._history:
             self.engine.update_weights(self._history[behavior_version], behavior_version)
+
+    def publish_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """:meth:`publish` for weights arriving as buckets of the full state dict (an FSDP2
+        trainer gathers them a bucket at a time, ``models/weight_sync.py``): at ``lag`` 0 each
+        bucket goes straight into the engine (``update_weights_from_buckets``), with a lag they
+        are kept as this version's CPU copy. The caller runs the stream to its end afterwards."""
+        if version <= self.trainer_version and self.engine is not None:
+            raise ValueError(
+                f"publish got version={version}; expected a version above the last one "
+                f"({self.trainer_version})."
+            )
+        if self.lag == 0:
+            self.trainer_version = version
+            if self.engine is not None:
+                self.engine.update_weights_from_buckets(buckets, version)
+            return
+        self._install(collect_buckets(buckets), version, fresh=True)
 
     def _ensure_engine(self) -> RolloutEngine:
         if self.engine is not None:
@@ -267,7 +291,8 @@ class RolloutDataModule(pl.LightningDataModule):
                 "RolloutDataModule needs a Trainer with a model to build its engine."
             )
         module = self.trainer.lightning_module
-        actor: nn.Module = unsharded_copy(module.actor)  # FSDP: gathered on every rank
+        # FSDP: gathered on every rank (each rank's engine needs the weights), bucket by bucket
+        actor: nn.Module = unsharded_copy(module.actor, bucket_bytes=module_bucket_bytes(module))
         factory = self.engine_factory or EmbeddedEngine
         engine = factory(actor)
         if self.trainer.global_rank:
@@ -386,5 +411,8 @@ def rank_state(datamodule: Any, state_dict: dict[str, Any]) -> dict[str, Any]:
     return per_rank[0 if trainer is None else trainer.global_rank]
 
 
-def _cpu_copy(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _cpu_copy(weights: Mapping[str, torch.Tensor], fresh: bool = False) -> dict[str, torch.Tensor]:
+    """CPU copies of ``weights``; ``fresh`` weights (new CPU tensors nobody else keeps) as they are."""
+    if fresh:
+        return dict(weights)
     return {name: value.detach().to("cpu", copy=True) for name, value in weights.items()}

@@ -144,21 +144,40 @@ class ValueModel(nn.Module):
                 torch.manual_seed(seed)
             return cls(backbone, head_init_std=head_init_std)
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """Per-position values.
+
+        Padded rows pass ``attention_mask`` (position ids follow from it); a packed row
+        (:func:`~brace_lightning.models.packing.packed_values`) passes only ``position_ids``, which
+        restart at 0 at every packed sequence, so the backbone builds a block-diagonal causal mask.
 
         Args:
             input_ids: ``[B, T]`` long, prompts left-padded.
-            attention_mask: ``[B, T]`` bool or integer, True at real tokens.
+            attention_mask: ``[B, T]`` bool or integer, True at real tokens; None = all real.
+            position_ids: ``[B, T]`` long; None = derived from ``attention_mask``.
 
         Returns:
             ``[B, T]`` float32; ``values[b, t]`` is V of the prefix ending at column t, 0 at padding.
         """
+        if attention_mask is None and position_ids is None:
+            raise ValueError(
+                "ValueModel.forward got neither attention_mask nor position_ids; expected at least "
+                "one of them."
+            )
+        if position_ids is None:
+            position_ids = position_ids_from_attention_mask(attention_mask)
         hidden = self.backbone(
             input_ids=input_ids,
             attention_mask=attention_mask,
-            position_ids=position_ids_from_attention_mask(attention_mask),
+            position_ids=position_ids,
             use_cache=False,
         ).last_hidden_state  # [B, T, H]
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1).float()
+        if attention_mask is None:
+            return values.clone()  # not a view of the head's output (FSDP2 warns about views)
         return torch.where(attention_mask.bool(), values, torch.zeros_like(values))

@@ -14,8 +14,8 @@ from collections.abc import Mapping
 import torch
 
 
-def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step: int) -> None:
-    """Raise FloatingPointError naming the first non-finite tensor of the actor's ``weights``.
+def nonfinite_names(weights: Mapping[str, torch.Tensor]) -> list[str]:
+    """Names of the floating-point tensors of ``weights`` holding a NaN or an inf, in order.
 
     One sum per floating-point tensor (NaN and inf propagate through it) and one host sync for the
     whole model; only when a sum is not finite — also when finite but huge values overflow it — is
@@ -23,20 +23,31 @@ def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step:
     """
     tensors = [(n, t.detach()) for n, t in weights.items() if t.is_floating_point() and t.numel()]
     if not tensors:
-        return
+        return []
     device = tensors[0][1].device
     sums = torch.stack([t.sum(dtype=torch.float32).to(device) for _, t in tensors])
     if bool(torch.isfinite(sums).all()):
-        return
+        return []
     suspects = [i for i, ok in enumerate(torch.isfinite(sums).tolist()) if not ok]
-    bad = [tensors[i][0] for i in suspects if not bool(torch.isfinite(tensors[i][1]).all())]
-    if not bad:
-        return
-    raise FloatingPointError(
+    return [tensors[i][0] for i in suspects if not bool(torch.isfinite(tensors[i][1]).all())]
+
+
+def nonfinite_message(bad: list[str], total: int, rollout_step: int) -> str:
+    """The sentence of :func:`require_finite_weights` for the non-finite tensors ``bad``."""
+    return (
         f"the actor's weights became non-finite at rollout step {rollout_step} ({len(bad)} of "
-        f"{len(tensors)} tensors, first {bad[0]!r}), so they were not published to the rollout "
+        f"{total} tensors, first {bad[0]!r}), so they were not published to the rollout "
         "engine; expected finite weights (lower the actor's learning rate or set max_grad_norm)."
     )
+
+
+def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step: int) -> None:
+    """Raise FloatingPointError naming the first non-finite tensor of the actor's ``weights``
+    (see :func:`nonfinite_names` for the cost)."""
+    bad = nonfinite_names(weights)
+    if bad:
+        total = sum(1 for t in weights.values() if t.is_floating_point() and t.numel())
+        raise FloatingPointError(nonfinite_message(bad, total, rollout_step))
 
 
 def require_finite_logprobs(

@@ -8,10 +8,13 @@ by their number of real tokens (longest first) and fills each micro-batch greedi
 - ``rows × width`` stays within ``max_tokens`` (``width`` = the columns that hold a real token of
   any of its rows; all-padding columns at either end are cut off).
 
-A row wider than ``max_tokens`` gets a micro-batch of its own. The plan changes only how the
-minibatch is cut, never what is computed: the trainer sums per-token losses and divides by the
-minibatch's global action-token count, so losses and gradients do not depend on the budget (up to
-float round-off; ``tests/test_microbatch.py`` checks it against one big batch).
+With ``packed=True`` (the trainer's ``pack_sequences``: a micro-batch runs as one row of its real
+tokens, ``models/packing.py``) the budget counts real tokens only: their sum over the micro-batch's
+rows stays within ``max_tokens``. A row above ``max_tokens`` gets a micro-batch of its own. The
+plan changes only how the minibatch is cut, never what is computed: the trainer sums per-token
+losses and divides by the minibatch's global action-token count, so losses and gradients do not
+depend on the budget (up to float round-off; ``tests/test_microbatch.py`` checks it against one big
+batch, ``tests/test_packing.py`` packed against padded).
 
 Under data parallelism every rank must run the same number of forwards (FSDP2 gathers weights in
 each) and backwards (DDP reduces gradients in each). :func:`equalize` splits a rank's plan until it
@@ -57,15 +60,20 @@ def _window(real: torch.Tensor) -> slice:
 
 
 def plan_micro_batches(
-    attention_mask: torch.Tensor, *, max_rows: int | None = None, max_tokens: int | None = None
+    attention_mask: torch.Tensor,
+    *,
+    max_rows: int | None = None,
+    max_tokens: int | None = None,
+    packed: bool = False,
 ) -> list[MicroBatch]:
     """Group the rows of ``attention_mask`` into micro-batches, longest rows first.
 
     Args:
         attention_mask: ``[B, T]`` bool or integer, True at real tokens.
         max_rows: at most this many rows per micro-batch (None = no limit).
-        max_tokens: at most this many padded tokens (rows × window width) per micro-batch, except
-            for a single row wider than it (None = no limit).
+        max_tokens: at most this many tokens per micro-batch, except for a single row above it
+            (None = no limit): padded tokens (rows × window width), or real tokens with ``packed``.
+        packed: the micro-batches run packed (no padding), so only real tokens count.
 
     Returns:
         Micro-batches covering every row exactly once.
@@ -74,15 +82,21 @@ def plan_micro_batches(
         if value is not None and (not isinstance(value, int) or value < 1):
             raise ValueError(f"plan_micro_batches got {name}={value!r}; expected None or >= 1.")
     real = attention_mask.bool().cpu()
-    order = torch.argsort(real.sum(dim=1), descending=True, stable=True)
+    counts = real.sum(dim=1)
+    lengths = counts.tolist()
+    order = torch.argsort(counts, descending=True, stable=True)
     plan: list[MicroBatch] = []
     rows: list[int] = []
     union = torch.zeros(real.shape[1], dtype=torch.bool)
     for row in order.tolist():
         grown = union | real[row]
-        window = _window(grown)
+        if packed:
+            cost = sum(lengths[r] for r in rows) + lengths[row]
+        else:
+            window = _window(grown)
+            cost = (len(rows) + 1) * (window.stop - window.start)
         fits = max_rows is None or len(rows) < max_rows
-        if max_tokens is not None and (len(rows) + 1) * (window.stop - window.start) > max_tokens:
+        if max_tokens is not None and cost > max_tokens:
             fits = False
         if rows and not fits:
             plan.append(MicroBatch(torch.tensor(rows), _window(union)))

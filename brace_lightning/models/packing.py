@@ -6,19 +6,34 @@ row of ``N = attention_mask.sum()`` tokens whose position ids restart at 0 at ev
 With no attention mask, transformers (5.x, ``masking_utils.find_packed_sequence_indices``) reads the
 restarts from the position ids and builds a block-diagonal causal mask (SDPA/eager), or passes
 cumulative sequence lengths to flash-attention varlen kernels, so no token attends across rows.
+:func:`packed_values` does the same for the critic (backbone + value head).
+
+Not every model reads the restarts: a forward without ``position_ids`` (ALiBi models such as
+BLOOM or MPT), an attention implementation transformers builds no mask for, or modelling code that
+does not pass the position ids to its mask (Falcon) would let tokens attend across rows.
+:func:`packing_problem` finds such a model before it is used packed: besides the static checks it
+runs the model once on two short rows, packed and one by one, and compares the final hidden states.
 """
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
 from brace_lightning.models.chunked import (
     chunked_head_logprobs,
     final_hidden_states,
     linear_lm_head,
 )
+from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.policy import DEFAULT_CHUNK_SIZE, position_ids_from_attention_mask
+
+#: A packed probe row passes when its distance to the rows run one by one is at most this fraction
+#: of the distance that attention across the two rows produces (round-off is far below it).
+PROBE_TOLERANCE = 0.1
 
 
 def pack_rows(
@@ -41,6 +56,12 @@ def pack_rows(
     real = attention_mask.bool()
     positions = position_ids_from_attention_mask(attention_mask)
     return input_ids[real][None], positions[real][None]
+
+
+def unpack_rows(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[N]`` per-token values of a packed row laid out as the padded ``[B, T]`` rows, 0 at
+    padding (differentiable); the inverse of :func:`pack_rows`."""
+    return values.new_zeros(attention_mask.shape).masked_scatter(attention_mask.bool(), values)
 
 
 def packed_token_logprobs(
@@ -83,12 +104,83 @@ def packed_token_logprobs(
         chunk_size=chunk_size,
         return_entropy=return_entropy,
     )
-    real = attention_mask.bool()
+    flat = picked.new_zeros(packed_ids.shape[1])
+    predicted = torch.cat([scored.new_zeros(1), scored])  # positions with a scored predecessor
 
     def unpack(values: torch.Tensor) -> torch.Tensor:
-        flat = values.new_zeros(packed_ids.shape[1]).masked_scatter(
-            torch.cat([scored.new_zeros(1), scored]), values
-        )
-        return values.new_zeros(real.shape).masked_scatter(real, flat)
+        return unpack_rows(flat.masked_scatter(predicted, values), attention_mask)
 
     return unpack(picked), None if ent is None else unpack(ent)
+
+
+def packed_values(
+    critic: ValueModel, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """The critic's ``[B, T]`` values (as ``critic(input_ids, attention_mask)``) computed on the
+    packed rows: one backbone pass over the real tokens with per-row position ids, no mask."""
+    packed_ids, positions = pack_rows(input_ids, attention_mask)
+    values = critic(packed_ids, position_ids=positions)[0]  # [N]
+    return unpack_rows(values, attention_mask)
+
+
+def packing_problem(model: nn.Module) -> str | None:
+    """Why packed rows would not give ``model`` the numbers of padded rows; None when they do.
+
+    Checks that the base model's ``forward`` takes ``position_ids``, that transformers builds
+    masks for its attention implementation, that an actor's logits are a plain linear head (packed
+    log-probs use the chunked path), and then runs the model (eval mode, no grad) on a 4-token and
+    a 6-token row: the second row's final hidden states, packed behind the first, must equal those
+    of the row alone up to :data:`PROBE_TOLERANCE` times the change that attending to the first
+    row causes (catches modelling code that ignores the restarts, such as Falcon's).
+
+    Args:
+        model: a Hugging Face causal LM or a :class:`~brace_lightning.models.critic.ValueModel`,
+            possibly sharded with FSDP2 (it is called through its own ``forward``).
+
+    Returns:
+        One clause naming the reason, or None.
+    """
+    critic = isinstance(model, ValueModel)
+    base = model.backbone if critic else model.base_model
+    if "position_ids" not in inspect.signature(base.forward).parameters:
+        return f"{type(base).__name__}.forward takes no position_ids"
+    attention = getattr(base.config, "_attn_implementation", None)
+    if attention not in ALL_MASK_ATTENTION_FUNCTIONS:
+        return f"transformers builds no packed-sequence mask for attention {attention!r}"
+    if not critic and linear_lm_head(model) is None:
+        return "its logits are not a plain linear head of the hidden states"
+    device = next(model.parameters()).device
+    vocab = base.config.get_text_config().vocab_size
+    ids = torch.randint(1, vocab, (1, 10), generator=torch.Generator().manual_seed(0)).to(device)
+    restart = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5]], device=device)
+
+    def hidden(input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        if not critic:
+            return final_hidden_states(model, input_ids=input_ids, position_ids=position_ids)[0]
+        captured: list[torch.Tensor] = []
+        handle = base.register_forward_hook(
+            lambda _module, _args, out: captured.append(out.last_hidden_state)
+        )
+        try:
+            model(input_ids, position_ids=position_ids)
+        finally:
+            handle.remove()
+        return captured[0][0]
+
+    training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            alone = hidden(ids[:, 4:], restart[:, 4:]).float()
+            packed = hidden(ids, restart)[4:].float()
+            joined = hidden(ids, torch.arange(10, device=device)[None])[4:].float()
+    finally:
+        model.train(training)
+    packed_error = float((packed - alone).norm())
+    crossed_error = float((joined - alone).norm())
+    if not packed_error <= PROBE_TOLERANCE * crossed_error:
+        return (
+            f"its packed rows do not match the rows run one by one (distance {packed_error:.3g}, "
+            f"against {crossed_error:.3g} when the rows attend to each other)"
+        )
+    return None

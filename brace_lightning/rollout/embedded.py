@@ -32,7 +32,7 @@ log-prob and entropy are 0. Use it for evaluation, not for training data.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -51,6 +51,7 @@ from brace_lightning.rollout.engine import (
     check_generate_args,
     check_sampling_args,
     check_state_dict,
+    copy_buckets,
     model_context,
 )
 
@@ -236,6 +237,24 @@ class EmbeddedEngine(RolloutEngine):
         check_state_dict(weights, self._model.state_dict())
         with torch.no_grad():
             self._model.load_state_dict(weights, strict=True)
+        self._version = int(version)
+
+    def update_weights_from_buckets(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int
+    ) -> None:
+        """Copy each bucket of the actor's state dict into the engine as it arrives (no full extra
+        copy), then set ``version``; the buckets together must be exactly the full state dict.
+
+        Raises:
+            ValueError: for ``version`` < 0, a key that is not the actor's or arrives twice, a shape
+                that differs, or keys missing once the stream ends (the tensors received by then
+                are already installed, the version is not changed).
+        """
+        if version < 0:
+            raise ValueError(
+                f"update_weights_from_buckets got version={version}; expected an integer >= 0."
+            )
+        copy_buckets(buckets, self._model.state_dict())
         self._version = int(version)
 
     def generate(

@@ -130,6 +130,21 @@ class RolloutEngine(ABC):
         returns (producers reuse their weight slots): copy what the engine keeps.
         """
 
+    def update_weights_from_buckets(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int
+    ) -> None:
+        """Install the actor's weights arriving as a stream of buckets (disjoint parts of the full
+        state dict, ``models/weight_sync.py``) as policy ``version``.
+
+        The default collects the buckets into one dict and calls :meth:`update_weights`; an
+        engine that can load a part at a time overrides it (the embedded engine copies each bucket
+        into its model as it arrives, so no full extra copy is held).
+        """
+        weights: dict[str, torch.Tensor] = {}
+        for bucket in buckets:
+            weights.update(bucket)
+        self.update_weights(weights, version)
+
     def close(self) -> None:  # noqa: B027 - optional hook, a no-op for in-process engines
         """Release resources (processes, servers); the default does nothing."""
 
@@ -295,3 +310,40 @@ def check_state_dict(
                 f"{caller} got {name} of shape {tuple(tensor.shape)}; expected "
                 f"{tuple(expected[name].shape)}, the shape of the actor's state_dict()."
             )
+
+
+@torch.no_grad()
+def copy_buckets(
+    buckets: Iterable[Mapping[str, torch.Tensor]],
+    target: Mapping[str, torch.Tensor],
+    caller: str = "update_weights_from_buckets",
+) -> None:
+    """Copy a stream of state-dict buckets into ``target``'s tensors, each bucket as it arrives.
+
+    Raises:
+        ValueError: (naming ``caller``) for a key that is not ``target``'s or arrives twice, a
+            shape that differs, or keys of ``target`` missing once the stream ends; what arrived
+            before the error is already copied.
+    """
+    seen: set[str] = set()
+    for bucket in buckets:
+        for name, tensor in bucket.items():
+            if name not in target or name in seen:
+                problem = "twice" if name in seen else "which is not a key of the actor"
+                raise ValueError(
+                    f"{caller} got {name!r} {problem}; expected each key of the actor's "
+                    "state_dict() exactly once."
+                )
+            if tuple(tensor.shape) != tuple(target[name].shape):
+                raise ValueError(
+                    f"{caller} got {name} of shape {tuple(tensor.shape)}; expected "
+                    f"{tuple(target[name].shape)}, the shape of the actor's state_dict()."
+                )
+            target[name].copy_(tensor.detach())
+            seen.add(name)
+    missing = [name for name in target if name not in seen]
+    if missing:
+        raise ValueError(
+            f"{caller} got no tensor for {len(missing)} keys (first {missing[0]!r}); expected "
+            "buckets covering the actor's whole state_dict()."
+        )

@@ -60,7 +60,7 @@ import threading
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from typing import Any, Protocol
@@ -79,6 +79,7 @@ from brace_lightning.rollout.engine import (
     RolloutEngine,
     accepts_extra_stops,
     check_state_dict,
+    copy_buckets,
 )
 from brace_lightning.rollout.multiturn import collect_batch
 from brace_lightning.rollout.orphans import die_with_parent
@@ -269,6 +270,23 @@ class WeightSlots:
         with torch.no_grad():
             for name, tensor in self.tensors[index].items():
                 tensor.copy_(weights[name].detach())
+        return index
+
+    def fill_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]]) -> int:
+        """:meth:`fill` from a stream of buckets that together are the full state dict (there
+        must be a free slot); each bucket is copied in as it arrives.
+
+        Raises:
+            ValueError: (from ``publish``) for a name that is not a slot's or arrives twice, a
+                shape that differs, or names missing at the end; the slot stays free.
+        """
+        index = self._free.popleft()
+        slot = self.tensors[index]
+        try:
+            copy_buckets(buckets, slot, caller="publish")
+        except BaseException:
+            self._free.appendleft(index)
+            raise
         return index
 
     def release(self, index: int) -> None:

@@ -9,44 +9,58 @@ known exactly:
    (:mod:`brace_lightning.targets`) from the *current* critic, and move the critic towards it
    with a fixed budget of ``critic_updates`` steps (tabular rate α, or Adam on a small MLP over
    the state features (t/T, c/K));
-3. update the actor (tabular logits over the statistic (t, c)) with one of the project's actor
-   objectives (:mod:`brace_lightning.objectives`) on the whitened advantages — so the policy's
-   drift comes from learning on visited states;
+3. update the actor with one of the project's actor objectives (:mod:`brace_lightning.objectives`)
+   on the whitened advantages — tabular logits over the statistic (t, c), whose drift stays on the
+   visited states, or a small MLP over the state features, whose every step also moves the
+   unvisited states (as an LM's shared weights do);
 4. optionally add engine/trainer drift to the *behavior* copy that enters the queue: Gaussian
    noise on every logit, or sparse heavy-tailed jumps (a few entries, Student-t sized) scaled
    to the same per-token KL.
 
 Logged per version (:class:`VersionLog`): exact V^π(s₀), the critic's gap to V^π on π's exact
 occupancy (ĝ_π) and to V^µ on µ's occupancy (ĝ_µ), the label bias b̂ = mean(label − V^π) and its
-variance over sampled actions, the truncated log-product log Π_t min(c̄, w_t) per response,
-and the actor objective's mask fractions.
+variance over sampled actions, β by remaining horizon (:class:`~brace_lightning.metrics.HorizonBeta`:
+the slope of the label on the realized return), the truncated log-product log Π_t min(c̄, w_t) per
+response, and the actor objective's mask fractions.
+
+Cost: every policy's ``[T, C, A]`` log-softmax is computed once per version and shared by the
+sampler, the exact dynamic programs and the KL; the drift's scale is solved on the states π visits
+(occupancy > 1e-14) by a safeguarded s ← s·√(KL*/KL(s)) iteration (KL ≈ ½ s² Var_π(ξ) for small s)
+to 0.1% of the requested KL. A T = 1024 version takes about 0.3 s on one core of a busy 2-core
+machine (a 200-version run about a minute; T = 256: 0.07 s per version).
 """
 
 from __future__ import annotations
 
 import collections
 import math
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 
+from brace_lightning.metrics.critic import HorizonBeta, power_of_two_edges
+from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.objectives.base import ActorObjective
 from brace_lightning.sim.critic import ValueTargetFn
 from brace_lightning.sim.mdp import (
     CountingMDP,
     Trajectories,
-    exact_values,
-    occupancy,
-    sample,
+    occupancy_from_good_probability,
+    sample_from_log_probs,
     state_values,
+    values_from_good_probability,
 )
-from brace_lightning.sim.policies import per_token_kl, uniform_logits
+from brace_lightning.sim.policies import per_token_kl_of_log_probs
 
 __all__ = ["ClosedLoopConfig", "VersionLog", "run_closed_loop"]
 
 Drift = Literal["none", "gaussian", "sparse"]
-CriticKind = Literal["tabular", "mlp"]
+ModelKind = Literal["tabular", "mlp"]
+
+# States whose occupancy under π is below this carry no weight in the drift's KL (float64 round-off).
+_SUPPORT = 1e-14
 
 
 @dataclass(frozen=True)
@@ -60,7 +74,10 @@ class ClosedLoopConfig:
         versions: number of policy versions (actor updates).
         staleness: S ≥ 0; µ = π_{v−S} (the first S versions sample from π_0).
         batch_size: responses sampled per version.
-        actor_lr: Adam learning rate on the tabular logits.
+        actor: ``"tabular"`` (logits per state (t, c)) or ``"mlp"`` (logits from the features
+            (t/T, c/K) through one hidden layer; starts uniform).
+        actor_lr: Adam's learning rate for the actor.
+        actor_hidden: hidden width of the MLP actor.
         critic: ``"tabular"`` or ``"mlp"``.
         critic_updates: critic steps per version (the fixed update budget).
         critic_lr: α of the tabular critic, in (0, 1]; Adam's rate for the MLP.
@@ -68,7 +85,7 @@ class ClosedLoopConfig:
         drift: ``"none"``, ``"gaussian"`` or ``"sparse"`` extra drift of µ from π.
         drift_kl: per-token KL(µ ‖ π) of the extra drift (both models are scaled to it).
         c_bar: c̄ used for the truncated log-product statistic.
-        seed: fixes sampling, drift and the MLP's initialization.
+        seed: fixes sampling, drift and the MLPs' initialization.
     """
 
     horizon: int = 64
@@ -77,8 +94,10 @@ class ClosedLoopConfig:
     versions: int = 50
     staleness: int = 0
     batch_size: int = 32
+    actor: ModelKind = "tabular"
     actor_lr: float = 0.1
-    critic: CriticKind = "tabular"
+    actor_hidden: int = 32
+    critic: ModelKind = "tabular"
     critic_updates: int = 1
     critic_lr: float = 0.5
     critic_hidden: int = 32
@@ -94,9 +113,12 @@ class ClosedLoopConfig:
             ("batch_size", self.batch_size >= 1, ">= 1"),
             ("critic_updates", self.critic_updates >= 0, ">= 0"),
             ("actor_lr", self.actor_lr >= 0.0, ">= 0"),
+            ("actor_hidden", self.actor_hidden >= 1, ">= 1"),
             ("critic_lr", self.critic_lr > 0.0, "> 0"),
+            ("critic_hidden", self.critic_hidden >= 1, ">= 1"),
             ("drift_kl", self.drift_kl >= 0.0, ">= 0"),
             ("c_bar", self.c_bar > 0.0, "> 0"),
+            ("actor", self.actor in ("tabular", "mlp"), "'tabular' or 'mlp'"),
             ("critic", self.critic in ("tabular", "mlp"), "'tabular' or 'mlp'"),
             ("drift", self.drift in ("none", "gaussian", "sparse"), "none/gaussian/sparse"),
         ]
@@ -111,17 +133,24 @@ class ClosedLoopConfig:
 
 @dataclass
 class VersionLog:
-    """Per-version measurements (lists indexed by version)."""
+    """Per-version measurements (lists indexed by version).
+
+    ``beta[v]`` holds β per remaining-horizon bin whose left edges are ``beta_edges`` (1, 2, 4, …),
+    None where a bin is undefined (no spread in the return).
+    """
 
     value_pi: list[float] = field(default_factory=list)
     gap_pi: list[float] = field(default_factory=list)
     gap_mu: list[float] = field(default_factory=list)
     label_bias: list[float] = field(default_factory=list)
     label_variance: list[float] = field(default_factory=list)
+    beta: list[list[float | None]] = field(default_factory=list)
+    beta_edges: list[int] = field(default_factory=list)
     log_product_mean: list[float] = field(default_factory=list)
     log_product_min: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     reward: list[float] = field(default_factory=list)
+    shadow_gap_pi: dict[str, list[float]] = field(default_factory=dict)
     actor_stats: dict[str, list[float]] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, object]:
@@ -129,45 +158,78 @@ class VersionLog:
 
 
 def _drift(
-    mdp: CountingMDP, logits: torch.Tensor, kind: Drift, kl: float, generator: torch.Generator
+    mdp: CountingMDP,
+    logits: torch.Tensor,
+    target_log_probs: torch.Tensor,
+    weights: torch.Tensor,
+    kind: Drift,
+    kl: float,
+    generator: torch.Generator,
 ) -> torch.Tensor:
-    """µ's logits: π's plus a seeded direction scaled by bisection to per-token KL(µ ‖ π) = kl."""
+    """µ's logits: π's plus a seeded direction ξ scaled so that the KL(µ ‖ π) per token is ``kl``.
+
+    The KL is weighted by ``weights`` (π's occupancy / T, fixed during the solve). ξ is drawn on
+    the states with weight above ``_SUPPORT`` (π never reaches the others), only states with a
+    non-zero ξ enter the KL, and the scale s is found by the safeguarded iteration s ← s·√(kl / KL(s)), exact when KL ∝ s², inside a bisection bracket.
+    """
     if kind == "none" or kl == 0.0:
         return logits
+    # ξ is drawn on π's support only (the rest carries no KL weight): same draws for a same seed.
+    rows = weights > _SUPPORT
+    shape = (int(rows.sum()), mdp.num_actions)
     if kind == "gaussian":
-        direction = torch.randn(mdp.logits_shape, generator=generator, dtype=torch.float64)
+        xi = torch.randn(shape, generator=generator, dtype=torch.float64)
     else:  # sparse, heavy-tailed: 1% of the entries get a Student-t(1.5) jump
-        keep = torch.rand(mdp.logits_shape, generator=generator, dtype=torch.float64) < 0.01
-        normal = torch.randn(mdp.logits_shape, generator=generator, dtype=torch.float64)
+        keep = torch.rand(shape, generator=generator, dtype=torch.float64) < 0.01
+        normal = torch.randn(shape, generator=generator, dtype=torch.float64)
         chi = torch.distributions.Chi2(torch.tensor(1.5, dtype=torch.float64))
-        scale = (chi.sample(mdp.logits_shape) / 1.5).sqrt()
-        direction = keep * normal / scale
-    # KL(µ ‖ π) per token weighted by π's occupancy (fixed across the bisection, so it stays cheap).
-    weights = occupancy(mdp, logits) / mdp.horizon
-    log_pi = torch.log_softmax(logits, dim=-1)
+        xi = keep * normal / (chi.sample(shape) / 1.5).sqrt()
+    direction = torch.zeros(mdp.logits_shape, dtype=torch.float64)
+    direction[rows] = xi
+    moved = rows.clone()
+    moved[rows] = (xi != 0).any(dim=-1)
+    if not bool(moved.any()):
+        return logits
+    xi, base, log_pi, w = direction[moved], logits[moved], target_log_probs[moved], weights[moved]
 
     def achieved(scale: float) -> float:
-        log_mu = torch.log_softmax(logits + scale * direction, dim=-1)
-        return float((weights * (log_mu.exp() * (log_mu - log_pi)).sum(-1)).sum())
+        log_mu = torch.log_softmax(base + scale * xi, dim=-1)
+        return float((w * (log_mu.exp() * (log_mu - log_pi)).sum(-1)).sum())
 
-    low, high = 0.0, 1.0
-    while achieved(high) < kl and high < 1e4:
-        low, high = high, 2.0 * high
-    for _ in range(40):
-        middle = 0.5 * (low + high)
-        low, high = (middle, high) if achieved(middle) < kl else (low, middle)
-    return logits + 0.5 * (low + high) * direction
+    # Second order: KL(s) ≈ ½ s² Σ w Var_π(ξ), the starting point of the iteration.
+    pi = log_pi.exp()
+    variance = (pi * xi**2).sum(-1) - (pi * xi).sum(-1) ** 2
+    curvature = 0.5 * float((w * variance).sum())
+    if curvature <= 0.0:
+        return logits
+    low, high = 0.0, math.inf
+    scale = math.sqrt(kl / curvature)
+    for _ in range(100):
+        value = achieved(scale)
+        if abs(value - kl) <= 1e-3 * kl:
+            break
+        low, high = (scale, high) if value < kl else (low, scale)
+        guess = scale * math.sqrt(kl / value) if value > 0.0 else 2.0 * scale
+        scale = (
+            guess if low < guess < high else (0.5 * (low + high) if high < math.inf else 2 * low)
+        )
+    return logits + scale * direction
 
 
-class _MLPCritic(torch.nn.Module):
-    def __init__(self, hidden: int) -> None:
+class _MLP(torch.nn.Module):
+    """Features ``[..., 2]`` → ``[..., out]`` through one tanh layer (float64)."""
+
+    def __init__(self, hidden: int, out: int, *, zero_output: bool) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
-            torch.nn.Linear(2, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, 1)
+            torch.nn.Linear(2, hidden), torch.nn.Tanh(), torch.nn.Linear(hidden, out)
         ).double()
+        if zero_output:  # starts as the constant 0: uniform logits
+            torch.nn.init.zeros_(self.net[2].weight)
+            torch.nn.init.zeros_(self.net[2].bias)
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        return self.net(features).squeeze(-1)
+        return self.net(features)
 
 
 def _features(mdp: CountingMDP) -> torch.Tensor:
@@ -177,20 +239,133 @@ def _features(mdp: CountingMDP) -> torch.Tensor:
     return torch.stack(torch.broadcast_tensors(t, c), dim=-1)
 
 
+class _Actor:
+    """The trained policy: a logit table (tabular) or an MLP over the state features."""
+
+    def __init__(self, config: ClosedLoopConfig, mdp: CountingMDP) -> None:
+        self.features = _features(mdp)
+        self.mlp: _MLP | None = None
+        if config.actor == "mlp":
+            self.mlp = _MLP(config.actor_hidden, mdp.num_actions, zero_output=True)
+            params = list(self.mlp.parameters())
+        else:
+            self.logits = torch.zeros(mdp.logits_shape, dtype=torch.float64, requires_grad=True)
+            params = [self.logits]
+        self.optimizer = torch.optim.Adam(params, lr=config.actor_lr)
+
+    def table(self) -> torch.Tensor:
+        """``[T, C, A]`` logits of every state, detached."""
+        if self.mlp is None:
+            return self.logits.detach().clone()
+        with torch.no_grad():
+            return self.mlp(self.features)
+
+    def log_probs(self, positions: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``[B, T, A]`` log π at the sampled states, differentiable."""
+        if self.mlp is None:
+            return torch.log_softmax(self.logits[positions, counts], dim=-1)
+        return torch.log_softmax(self.mlp(self.features[positions, counts]), dim=-1)
+
+
+class _Policy(NamedTuple):
+    """A policy's ``[T, C, A]`` log-probabilities with its exact ``[T, C]`` occupancy and values."""
+
+    log_probs: torch.Tensor
+    occupancy: torch.Tensor
+    values: torch.Tensor
+
+    @classmethod
+    def of(cls, mdp: CountingMDP, log_probs: torch.Tensor) -> _Policy:
+        good = log_probs[..., 0].exp()
+        return cls(
+            log_probs,
+            occupancy_from_good_probability(mdp, good),
+            values_from_good_probability(mdp, good),
+        )
+
+
 def _weighted_gap(table: torch.Tensor, truth: torch.Tensor, weights: torch.Tensor) -> float:
     """Occupancy-weighted mean |V̂ − V| over the T action positions."""
     return float((weights * (table[:-1] - truth[:-1]).abs()).sum() / weights.shape[0])
 
 
+class _Critic:
+    """A learned critic with a fixed update budget per version: a table (rate α) or an MLP (Adam).
+
+    ``labels`` computes the value target from the critic as it is now, exactly as the trainer
+    does; ``update`` takes ``critic_updates`` steps, recomputing the labels after the first.
+    """
+
+    def __init__(self, config: ClosedLoopConfig, mdp: CountingMDP, features: torch.Tensor) -> None:
+        self.config, self.mdp, self.features = config, mdp, features
+        self.values = torch.zeros(mdp.horizon + 1, mdp.num_counts, dtype=torch.float64)
+        self.mlp: _MLP | None = None
+        if config.critic == "mlp":
+            self.mlp = _MLP(config.critic_hidden, 1, zero_output=False)
+            self.optimizer = torch.optim.Adam(self.mlp.parameters(), lr=config.critic_lr)
+
+    def table(self) -> torch.Tensor:
+        """``[T + 1, C]`` values of every state (row T is 0)."""
+        if self.mlp is None:
+            return self.values
+        with torch.no_grad():
+            out = torch.zeros_like(self.values)
+            out[:-1] = self.mlp(self.features).squeeze(-1)
+            return out
+
+    def labels(
+        self, target: ValueTargetFn, batch: Trajectories
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[B, T]`` float64 value targets and advantages from the current critic."""
+        out = target(
+            rewards=batch.rewards,
+            values=state_values(self.table(), batch.counts),
+            target_logprobs=batch.target_logprobs,
+            behavior_logprobs=batch.behavior_logprobs,
+            mask=batch.mask,
+        )
+        return out.returns.to(torch.float64), out.advantages.to(torch.float64)
+
+    def update(self, target: ValueTargetFn, batch: Trajectories, returns: torch.Tensor) -> None:
+        """The version's budget of steps; ``returns`` are the labels for the first one."""
+        mask = batch.mask
+        positions = torch.arange(self.mdp.horizon).expand_as(batch.counts)
+        flat = (positions * self.mdp.num_counts + batch.counts)[mask]
+        visits = torch.bincount(flat, minlength=self.mdp.horizon * self.mdp.num_counts)
+        visited = visits > 0
+        for step in range(self.config.critic_updates):
+            step_returns = returns if step == 0 else self.labels(target, batch)[0]
+            if self.mlp is None:
+                sums = torch.bincount(flat, weights=step_returns[mask], minlength=visits.numel())
+                current = self.values[:-1].reshape(-1)
+                current[visited] += self.config.critic_lr * (
+                    sums[visited] / visits[visited] - current[visited]
+                )
+            else:
+                predicted = self.mlp(self.features[positions, batch.counts]).squeeze(-1)
+                loss = ((predicted - step_returns) ** 2)[mask].mean()
+                self.optimizer.zero_grad()
+                loss.backward()
+                self.optimizer.step()
+
+
 def run_closed_loop(
-    config: ClosedLoopConfig, target: ValueTargetFn, objective: ActorObjective
+    config: ClosedLoopConfig,
+    target: ValueTargetFn,
+    objective: ActorObjective,
+    *,
+    shadow_targets: Mapping[str, ValueTargetFn] | None = None,
 ) -> VersionLog:
     """Run the closed loop of the module docstring and return its per-version log.
 
     Args:
         config: the run's settings (:class:`ClosedLoopConfig`).
-        target: the critic's value target, e.g. ``brace_lightning.targets.BRACE(k=100)``.
+        target: the critic's value target, e.g. ``brace_lightning.targets.BRACE(k=100)``; its
+            advantages drive the actor.
         objective: the actor objective, e.g. ``brace_lightning.objectives.PPOClip()``.
+        shadow_targets: name → value target of extra critics (same kind, rate and budget) trained
+            on the same batches but never used by the actor, so every target is compared on one
+            actor trajectory and one data stream: ``VersionLog.shadow_gap_pi[name]``.
 
     Returns:
         :class:`VersionLog` with ``config.versions`` entries per field.
@@ -198,78 +373,72 @@ def run_closed_loop(
     torch.manual_seed(config.seed)
     mdp = CountingMDP.calibrated(config.horizon, config.num_actions, success=config.success)
     generator = torch.Generator().manual_seed(config.seed)
-    logits = uniform_logits(mdp).requires_grad_(True)
-    actor_opt = torch.optim.Adam([logits], lr=config.actor_lr)
-    queue: collections.deque[torch.Tensor] = collections.deque(maxlen=config.staleness + 1)
-
-    features = _features(mdp)
-    mlp = _MLPCritic(config.critic_hidden) if config.critic == "mlp" else None
-    critic_opt = torch.optim.Adam(mlp.parameters(), lr=config.critic_lr) if mlp else None
-    table = torch.zeros(mdp.horizon + 1, mdp.num_counts, dtype=torch.float64)
+    actor = _Actor(config, mdp)
+    # The behavior policies of the last S + 1 versions.
+    queue: collections.deque[_Policy] = collections.deque(maxlen=config.staleness + 1)
+    critic = _Critic(config, mdp, actor.features)
+    shadows = {name: _Critic(config, mdp, actor.features) for name in shadow_targets or {}}
     positions = torch.arange(mdp.horizon)
-    log = VersionLog()
+    edges = power_of_two_edges(mdp.horizon, start=1)
+    log = VersionLog(beta_edges=list(edges), shadow_gap_pi={name: [] for name in shadows})
     log_c_bar = math.log(config.c_bar)
 
-    def critic_table() -> torch.Tensor:
-        if mlp is None:
-            return table
-        with torch.no_grad():
-            out = torch.zeros_like(table)
-            out[:-1] = mlp(features)
-            return out
-
     for _ in range(config.versions):
-        pi = logits.detach().clone()
-        queue.append(_drift(mdp, pi, config.drift, config.drift_kl, generator))
-        mu = queue[0]
-        batch = sample(mdp, mu, pi, batch_size=config.batch_size, generator=generator)
+        pi = actor.table()
+        target_policy = _Policy.of(mdp, torch.log_softmax(pi, dim=-1))
+        behavior = _drift(
+            mdp,
+            pi,
+            target_policy.log_probs,
+            target_policy.occupancy / mdp.horizon,
+            config.drift,
+            config.drift_kl,
+            generator,
+        )
+        queue.append(
+            target_policy
+            if behavior is pi
+            else _Policy.of(mdp, torch.log_softmax(behavior, dim=-1))
+        )
+        behavior_policy = queue[0]
+        batch = sample_from_log_probs(
+            mdp,
+            behavior_policy.log_probs,
+            target_policy.log_probs,
+            batch_size=config.batch_size,
+            generator=generator,
+        )
         mask = batch.mask
-        flat = (positions * mdp.num_counts + batch.counts)[mask]
-        visits = torch.bincount(flat, minlength=mdp.horizon * mdp.num_counts)
-        visited = visits > 0
-
-        def labels(
-            batch: Trajectories = batch, mask: torch.Tensor = mask
-        ) -> tuple[torch.Tensor, torch.Tensor]:
-            values = state_values(critic_table(), batch.counts)
-            out = target(
-                rewards=batch.rewards,
-                values=values,
-                target_logprobs=batch.target_logprobs,
-                behavior_logprobs=batch.behavior_logprobs,
-                mask=mask,
-            )
-            return out.returns.to(torch.float64), out.advantages.to(torch.float64)
 
         # Advantages for the actor come from the critic before this version's critic steps,
         # as in a trainer that computes targets once per batch.
-        returns, advantages = labels()
-        truth_pi = exact_values(mdp, pi)
-        error = returns[mask] - state_values(truth_pi, batch.counts)[mask]
+        returns, advantages = critic.labels(target, batch)
+        error = returns[mask] - state_values(target_policy.values, batch.counts)[mask]
         log.label_bias.append(float(error.mean()))
         log.label_variance.append(float(error.var(unbiased=False)))
-
-        for step in range(config.critic_updates):
-            step_returns = returns if step == 0 else labels()[0]
-            if mlp is None:
-                sums = torch.bincount(flat, weights=step_returns[mask], minlength=visits.numel())
-                current = table[:-1].reshape(-1)
-                current[visited] += config.critic_lr * (
-                    sums[visited] / visits[visited] - current[visited]
-                )
-            else:
-                assert critic_opt is not None
-                predicted = mlp(features[positions.expand_as(batch.counts), batch.counts])
-                loss = ((predicted - step_returns) ** 2)[mask].mean()
-                critic_opt.zero_grad()
-                loss.backward()
-                critic_opt.step()
+        beta = HorizonBeta(edges)
+        beta.update(returns, reward_to_go(batch.rewards, mask), mask)
+        binned = beta.compute()
+        log.beta.append(
+            [
+                v if ok else None
+                for v, ok in zip(binned.value.tolist(), binned.defined.tolist(), strict=True)
+            ]
+        )
+        critic.update(target, batch, returns)
+        for name, shadow in shadows.items():
+            assert shadow_targets is not None
+            shadow.update(
+                shadow_targets[name], batch, shadow.labels(shadow_targets[name], batch)[0]
+            )
+            gap = _weighted_gap(shadow.table(), target_policy.values, target_policy.occupancy)
+            log.shadow_gap_pi[name].append(gap)
 
         # Actor step with the project's objective on whitened advantages.
         adv = advantages[mask]
         whitened = torch.zeros_like(advantages)
         whitened[mask] = (adv - adv.mean()) / (adv.std(unbiased=False) + 1e-8)
-        log_pi = torch.log_softmax(logits, dim=-1)[positions.expand_as(batch.counts), batch.counts]
+        log_pi = actor.log_probs(positions.expand_as(batch.counts), batch.counts)
         taken = log_pi.gather(-1, batch.actions.unsqueeze(-1)).squeeze(-1)
         output = objective(
             logprobs=taken,
@@ -278,24 +447,29 @@ def run_closed_loop(
             advantages=whitened,
             mask=mask,
         )
-        actor_opt.zero_grad()
+        actor.optimizer.zero_grad()
         (output.token_loss.sum() / mask.sum()).backward()
-        actor_opt.step()
+        actor.optimizer.step()
         actions = float(mask.sum())
         for key, value in output.stats.items():
             scale = actions if key.endswith(("_count", "_sum")) else 1.0
             log.actor_stats.setdefault(key, []).append(float(value) / scale)
 
         # Ground truth for this version's critic (after its updates) and policies.
-        estimate = critic_table()
-        truth_mu = exact_values(mdp, mu)
-        log.value_pi.append(float(truth_pi[0, 0]))
-        log.gap_pi.append(_weighted_gap(estimate, truth_pi, occupancy(mdp, pi)))
-        log.gap_mu.append(_weighted_gap(estimate, truth_mu, occupancy(mdp, mu)))
+        estimate = critic.table()
+        log.value_pi.append(float(target_policy.values[0, 0]))
+        log.gap_pi.append(_weighted_gap(estimate, target_policy.values, target_policy.occupancy))
+        log.gap_mu.append(
+            _weighted_gap(estimate, behavior_policy.values, behavior_policy.occupancy)
+        )
         log_w = (batch.target_logprobs - batch.behavior_logprobs).clamp(max=log_c_bar)
         log_product = log_w.sum(dim=-1)
         log.log_product_mean.append(float(log_product.mean()))
         log.log_product_min.append(float(log_product.min()))
-        log.kl.append(float(per_token_kl(mdp, mu, pi)))
+        log.kl.append(
+            float(
+                per_token_kl_of_log_probs(mdp, behavior_policy.log_probs, target_policy.log_probs)
+            )
+        )
         log.reward.append(float(batch.rewards[:, -1].mean()))
     return log

@@ -30,8 +30,11 @@ __all__ = [
     "action_values",
     "exact_values",
     "occupancy",
+    "occupancy_from_good_probability",
     "sample",
+    "sample_from_log_probs",
     "state_values",
+    "values_from_good_probability",
 ]
 
 
@@ -140,12 +143,20 @@ def exact_values(mdp: CountingMDP, logits: torch.Tensor) -> torch.Tensor:
         ``[T + 1, C]`` float64; row t < T is the value before action t, row T is 0 (terminal).
         Entries at counts unreachable at position t are still the well-defined value of that state.
     """
-    p_good = _good_probability(mdp, "logits", logits)
+    return values_from_good_probability(mdp, _good_probability(mdp, "logits", logits))
+
+
+def values_from_good_probability(mdp: CountingMDP, good_probability: torch.Tensor) -> torch.Tensor:
+    """:func:`exact_values` from the ``[T, C]`` float64 table of π(good | t, c) (no checks).
+
+    For loops that already hold a policy's probabilities (the closed-loop simulator), so the
+    ``[T, C, A]`` softmax is computed once per policy.
+    """
     up = _up_index(mdp)
     values = torch.zeros(mdp.horizon + 1, mdp.num_counts, dtype=torch.float64)
     after = mdp.terminal_reward()  # value of the state after the action, reward included
     for t in range(mdp.horizon - 1, -1, -1):
-        after = p_good[t] * after[up] + (1.0 - p_good[t]) * after
+        after = good_probability[t] * after[up] + (1.0 - good_probability[t]) * after
         values[t] = after
     return values
 
@@ -181,13 +192,19 @@ def occupancy(mdp: CountingMDP, logits: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[T, C]`` float64, each row sums to 1 (every response starts at c = 0).
     """
-    p_good = _good_probability(mdp, "logits", logits)
+    return occupancy_from_good_probability(mdp, _good_probability(mdp, "logits", logits))
+
+
+def occupancy_from_good_probability(
+    mdp: CountingMDP, good_probability: torch.Tensor
+) -> torch.Tensor:
+    """:func:`occupancy` from the ``[T, C]`` float64 table of π(good | t, c) (no checks)."""
     dist = torch.zeros(mdp.horizon, mdp.num_counts, dtype=torch.float64)
     current = torch.zeros(mdp.num_counts, dtype=torch.float64)
     current[0] = 1.0
     for t in range(mdp.horizon):
         dist[t] = current
-        moved = current * p_good[t]
+        moved = current * good_probability[t]
         current = current - moved
         current[1:] += moved[:-1]
         current[-1] += moved[-1]  # the saturated count stays at K
@@ -238,8 +255,28 @@ def sample(
     mdp.check_logits("target_logits", target_logits)
     if not isinstance(batch_size, int) or batch_size < 1:
         raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}.")
-    log_mu = torch.log_softmax(behavior_logits.to(torch.float64), dim=-1)
-    log_pi = torch.log_softmax(target_logits.to(torch.float64), dim=-1)
+    return sample_from_log_probs(
+        mdp,
+        torch.log_softmax(behavior_logits.to(torch.float64), dim=-1),
+        torch.log_softmax(target_logits.to(torch.float64), dim=-1),
+        batch_size=batch_size,
+        generator=generator,
+    )
+
+
+def sample_from_log_probs(
+    mdp: CountingMDP,
+    behavior_log_probs: torch.Tensor,
+    target_log_probs: torch.Tensor,
+    *,
+    batch_size: int,
+    generator: torch.Generator | None = None,
+) -> Trajectories:
+    """:func:`sample` from ``[T, C, A]`` float64 log-probabilities of µ and π (no checks).
+
+    For loops that already hold both policies' log-softmax tables (the closed-loop simulator).
+    """
+    log_mu, log_pi = behavior_log_probs, target_log_probs
     # Inverse-CDF sampling; the last boundary is dropped so rounding can never exceed A − 1.
     cdf = log_mu.exp().cumsum(dim=-1)[..., :-1]
     shape = (batch_size, mdp.horizon)

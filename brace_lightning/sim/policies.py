@@ -17,12 +17,18 @@ from typing import NamedTuple
 
 import torch
 
-from brace_lightning.sim.mdp import CountingMDP, action_values, exact_values, occupancy
+from brace_lightning.sim.mdp import (
+    CountingMDP,
+    action_values,
+    exact_values,
+    occupancy_from_good_probability,
+)
 
 __all__ = [
     "StalePair",
     "natural_gradient_step",
     "per_token_kl",
+    "per_token_kl_of_log_probs",
     "perturb",
     "stale_pair",
     "uniform_logits",
@@ -136,10 +142,21 @@ def per_token_kl(
         0-dim float64 tensor.
     """
     mdp.check_logits("target_logits", target_logits)
-    log_mu = torch.log_softmax(behavior_logits.to(torch.float64), dim=-1)
-    log_pi = torch.log_softmax(target_logits.to(torch.float64), dim=-1)
-    kl = (log_mu.exp() * (log_mu - log_pi)).sum(dim=-1)  # [T, C]
-    return (occupancy(mdp, behavior_logits) * kl).sum() / mdp.horizon
+    return per_token_kl_of_log_probs(
+        mdp,
+        torch.log_softmax(behavior_logits.to(torch.float64), dim=-1),
+        torch.log_softmax(target_logits.to(torch.float64), dim=-1),
+    )
+
+
+def per_token_kl_of_log_probs(
+    mdp: CountingMDP, behavior_log_probs: torch.Tensor, target_log_probs: torch.Tensor
+) -> torch.Tensor:
+    """:func:`per_token_kl` from ``[T, C, A]`` float64 log-probabilities of µ and π (no checks)."""
+    behavior_probs = behavior_log_probs.exp()
+    kl = (behavior_probs * (behavior_log_probs - target_log_probs)).sum(dim=-1)  # [T, C]
+    occupancy = occupancy_from_good_probability(mdp, behavior_probs[..., 0])
+    return (occupancy * kl).sum() / mdp.horizon
 
 
 def perturb(
