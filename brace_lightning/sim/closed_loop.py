@@ -26,8 +26,8 @@ response, and the actor objective's mask fractions.
 Cost: every policy's ``[T, C, A]`` log-softmax is computed once per version and shared by the
 sampler, the exact dynamic programs and the KL; the drift's scale is solved on the states π visits
 (occupancy > 1e-14) by a safeguarded s ← s·√(KL*/KL(s)) iteration (KL ≈ ½ s² Var_π(ξ) for small s)
-to 0.1% of the requested KL. A T = 1024 version takes about 0.3 s on one core of a busy 2-core
-machine (a 200-version run about a minute; T = 256: 0.07 s per version).
+to 0.1% of the requested KL. A 200-version T = 1024 run takes 43 s on one idle core (about a
+minute on a busy one); T = 256 takes 0.07 s per version.
 """
 
 from __future__ import annotations
