@@ -1,0 +1,120 @@
+"""The LM staleness grid runner (``benchmarks/lm_staleness.py``): cells, resume, aggregation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks import lm_staleness
+from benchmarks.lm_staleness import Cell, summarize, window_mean
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_summarize_known_interval() -> None:
+    # Seeds 0..2: GAE rewards 0.1, 0.2, 0.3; BRACE 0.3, 0.5, 0.4 -> diffs 0.2, 0.3, 0.1.
+    # Mean diff 0.2, std 0.1, half-width t_{0.975,2} * 0.1 / sqrt(3) = 4.303 * 0.057735 = 0.24843.
+    scores = {
+        (0, "gae"): {0: 0.1, 1: 0.2, 2: 0.3},
+        (0, "brace"): {0: 0.3, 1: 0.5, 2: 0.4},
+        (8, "gae"): {0: 0.0, 1: 0.0, 2: 0.0},
+        (8, "brace"): {0: 1.0, 1: 1.1, 2: 0.9},
+    }
+    rows = summarize(scores, higher_is_better=True)
+    brace = rows[(0, "brace")]
+    assert brace["mean"] == pytest.approx(0.4)
+    assert brace["low"] == pytest.approx(0.4 - 0.24843, abs=1e-4)
+    assert brace["high"] == pytest.approx(0.4 + 0.24843, abs=1e-4)
+    assert brace["diff"] == pytest.approx(0.2)
+    assert brace["diff_low"] == pytest.approx(0.2 - 0.24843, abs=1e-4)
+    assert brace["verdict"] == "tie"  # the interval covers 0
+    assert rows[(8, "brace")]["verdict"] == "better"  # paired with GAE at the same lag only
+    assert "diff" not in rows[(0, "gae")]
+    # Lower is better (the value gap): the same difference is then worse.
+    assert summarize(scores, higher_is_better=False)[(8, "brace")]["verdict"] == "worse"
+
+
+def test_summarize_single_seed_has_no_interval() -> None:
+    rows = summarize({(0, "gae"): {0: 0.5}, (0, "vtrace"): {0: 0.7}}, higher_is_better=True)
+    assert rows[(0, "vtrace")]["mean"] == 0.7
+    assert "diff" not in rows[(0, "vtrace")]  # one paired seed: no interval, no verdict
+
+
+def test_window_mean() -> None:
+    series = [(3, 4.0), (0, 1.0), (1, 2.0), (2, 3.0)]
+    assert window_mean(series, 2) == 3.5  # the last two steps, by step
+    assert window_mean(series, 2, first=True) == 1.5
+    assert window_mean(series, 10) == 2.5
+
+
+def test_targets_differ_only_in_their_target_arguments(tmp_path: Path) -> None:
+    recipe = ROOT / "configs" / "evidence" / "long_arith.yaml"
+    commands = {}
+    for target, selected in lm_staleness.TARGETS.items():
+        args = lm_staleness.command(
+            Cell(8, target, 1), tmp_path, steps=40, every=20, recipe=recipe, extra=[]
+        )
+        assert args[6 : 6 + len(selected)] == selected
+        rest = args[:6] + args[6 + len(selected) :]
+        assert f"--trainer.logger.init_args.save_dir={Cell(8, target, 1).folder(tmp_path)}" in rest
+        commands[target] = [a for a in rest if "save_dir=" not in a]
+        assert "--data.init_args.lag=8" in args and "--trainer.max_epochs=2" in args
+    first = commands.pop("gae")
+    assert all(other == first for other in commands.values())  # same recipe, seeds and lag
+    assert "--model.value_target.init_args.mc_tail=false" in lm_staleness.TARGETS["brace_notail"]
+
+
+def tiny_recipe(path: Path) -> Path:
+    """The long-arithmetic recipe cut to seconds: 2 prompts x 2 samples of at most 6 tokens."""
+    recipe = yaml.safe_load((ROOT / "configs" / "evidence" / "long_arith.yaml").read_text())
+    init = recipe["data"]["init_args"]
+    init.update(prompts_per_step=2, samples_per_prompt=2, val_batches=1)
+    init["task"]["init_args"].update(num_operands=2)
+    init["engine"]["init_args"]["max_new_tokens"] = 6
+    recipe["model"].update(ppo_epochs=1, num_minibatches=1, critic_warmup_steps=1)
+    path.write_text(yaml.safe_dump(recipe))
+    return path
+
+
+def fake_warm_start(out: Path) -> None:
+    """A random tiny actor where the runner looks for the shared warm start (saves one ``fit``)."""
+    from brace_lightning.models import load_tokenizer
+    from brace_lightning.models.sources import load_actor
+
+    tokenizer = load_tokenizer("tiny-char")
+    actor = load_actor("tiny-char", tokenizer=tokenizer, hidden_size=32, num_layers=1)
+    actor.save_pretrained(lm_staleness.warm_actor(out))
+    tokenizer.save_pretrained(lm_staleness.warm_actor(out))
+
+
+@pytest.mark.slow
+def test_grid_runs_resumes_and_tabulates(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    recipe = tiny_recipe(tmp_path / "tiny.yaml")
+    out = tmp_path / "grid"
+    fake_warm_start(out)
+    argv = ["--out", str(out), "--config", str(recipe), "--seeds", "0", "--lags", "0", "1"]
+    argv += ["--targets", "gae", "--steps", "2", "--every", "1", "--window", "2"]
+    lm_staleness.main(argv)
+    printed = capsys.readouterr().out
+    cells = [Cell(0, "gae", 0), Cell(1, "gae", 0)]
+    for cell in cells:
+        assert f"{cell}: done" in printed
+        marker = json.loads((cell.folder(out) / "done.json").read_text())
+        assert f"--data.init_args.lag={cell.lag}" in marker["args"]
+        series = lm_staleness.read_cell(cell.folder(out))
+        assert [step for step, _ in series["rollout/reward"]] == [1, 2]
+        assert len(series["val/value_gap_mc"]) == 2  # validated after each 1-step epoch
+    summary = (out / "summary.md").read_text()
+    for name, _, _, _ in lm_staleness.METRICS:
+        section = summary.split(f"**{name}**")[1].split("**")[0].strip().splitlines()
+        rows = [line.split(" | ")[:3] for line in section[2:]]
+        assert rows == [["| 0", "gae", "1"], ["| 1", "gae", "1"]], name
+    assert (out / "curves.png").stat().st_size > 0
+
+    lm_staleness.main(argv)  # rerun: every cell has its marker
+    printed = capsys.readouterr().out
+    assert all(f"{cell}: skipped" in printed for cell in cells)
+    assert "missing cells" not in printed
