@@ -24,7 +24,7 @@ the same S paired seed by seed; a difference whose interval covers 0 is a tie. W
 ``OUT/summary.md`` (markdown table) and ``OUT/curves.png`` (reward and value gap vs step, one panel
 per S, mean with a shaded interval)::
 
-    .venv/bin/python -m benchmarks.lm_staleness --out /work/lm_runs/grid --seeds 0 1 2 \\
+    .venv/bin/python -m benchmarks.lm_staleness --out runs/lm_staleness --seeds 0 1 2 \\
         --lags 0 8 4 --steps 200 --every 20 --workers 1
 """
 
