@@ -97,9 +97,10 @@ def assert_contains(merged: Any, overlay: Any, where: str = "") -> None:
 def test_the_config_folder_holds_recipes_and_overlays() -> None:
     assert QUICKSTART in RECIPES
     # Files in a subfolder only select one component: they are all overlays, except the GPU
-    # recipes, which are whole recipes for real models.
-    assert {p for p in YAMLS if p.parent not in (CONFIGS, CONFIGS / "gpu")} <= set(OVERLAYS)
-    assert {p for p in YAMLS if p.parent == CONFIGS / "gpu"} <= set(RECIPES)
+    # recipes (whole recipes for real models) and the evidence recipes (docs/results_lm.md).
+    whole = (CONFIGS / "gpu", CONFIGS / "evidence")
+    assert {p for p in YAMLS if p.parent not in (CONFIGS, *whole)} <= set(OVERLAYS)
+    assert {p for p in YAMLS if p.parent in whole} <= set(RECIPES)
     assert {path.parent.name for path in OVERLAYS} >= {"targets", "objectives"}
 
 
