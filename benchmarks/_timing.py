@@ -32,18 +32,7 @@ def model_size(text: str) -> tuple[int, int]:
 
 def median_seconds(fn: Callable[[], object], *, repeats: int = 7, warmup: int = 1) -> float:
     """Median wall time of ``fn()`` over ``repeats`` runs after ``warmup`` runs (CUDA-synchronised)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return interleaved_median_seconds({"fn": fn}, repeats=repeats, warmup=warmup)["fn"]
 
 
 def interleaved_median_seconds(
