@@ -105,12 +105,7 @@ def command(
     ``steps // every`` epochs of ``every`` steps (validation at each epoch end), from the shared
     warm-started actor (:func:`warm_start`), so the recipe's warm-start callback is left out."""
     return [
-        sys.executable,
-        "-m",
-        "brace_lightning.cli",
-        "fit",
-        "--config",
-        str(recipe),
+        *_fit(recipe),
         *TARGETS[cell.target],
         f"--model.actor={warm_actor(out)}",
         "--trainer.callbacks=[]",
@@ -128,6 +123,11 @@ def command(
         "--trainer.enable_checkpointing=false",
         *extra,
     ]
+
+
+def _fit(recipe: Path) -> list[str]:
+    """``brace-lightning fit --config recipe`` with this interpreter (the cells and the warm start)."""
+    return [sys.executable, "-m", "brace_lightning.cli", "fit", "--config", str(recipe)]
 
 
 def warm_actor(out: Path) -> Path:
@@ -153,12 +153,7 @@ def warm_start(out: Path, recipe: Path, extra: Sequence[str]) -> None:
     folder = out / "warm_start"
     folder.mkdir(parents=True, exist_ok=True)
     args = [
-        sys.executable,
-        "-m",
-        "brace_lightning.cli",
-        "fit",
-        "--config",
-        str(recipe),
+        *_fit(recipe),
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=1",
         "--model.critic_warmup_steps=1",

@@ -178,10 +178,14 @@ def window(spec: dict[str, Any]) -> float:
     return float(value)
 
 
+def _tail(values: list[Any], fraction: float) -> list[Any]:
+    """The last ``fraction`` of ``values`` (at least one)."""
+    return values[len(values) - max(1, round(len(values) * fraction)) :]
+
+
 def score(log: dict[str, Any], metric: str, fraction: float = 0.25) -> float:
     """Mean of ``metric`` over the last ``fraction`` of the versions (at least one)."""
-    values = log[metric]
-    tail = values[len(values) - max(1, round(len(values) * fraction)) :]
+    tail = _tail(log[metric], fraction)
     return sum(tail) / len(tail)
 
 
@@ -233,7 +237,10 @@ def _setting(name: str) -> str:
     return ",".join(p for p in name.split(",") if not p.startswith("seed="))
 
 
-def _logs(spec: dict[str, Any], out_dir: Path) -> list[tuple[Cell, dict[str, Any]]]:
+Logs = list[tuple[Cell, dict[str, Any]]]
+
+
+def _logs(spec: dict[str, Any], out_dir: Path) -> Logs:
     """The finished cells with their logs.
 
     With ``shadows`` in the spec, each cell stands for one entry per shadow critic instead: named
@@ -261,11 +268,14 @@ def collect(
     spec: dict[str, Any], out_dir: Path, metric: str | None = None
 ) -> dict[str, dict[int, float]]:
     """Scores of the finished cells for ``metric`` (the first if None), grouped by setting."""
-    name = metric or metrics(spec)[0]
+    return _scores(spec, _logs(spec, out_dir), metric or metrics(spec)[0])
+
+
+def _scores(spec: dict[str, Any], logs: Logs, metric: str) -> dict[str, dict[int, float]]:
     scores: dict[str, dict[int, float]] = {}
-    for cell, log in _logs(spec, out_dir):
+    for cell, log in logs:
         by_seed = scores.setdefault(_setting(cell["name"]), {})
-        by_seed[int(cell.get("seed", 0))] = score(log, name, window(spec))
+        by_seed[int(cell.get("seed", 0))] = score(log, metric, window(spec))
     return scores
 
 
@@ -304,10 +314,10 @@ def plot(rows: list[dict[str, Any]], path: Path, metric: str) -> None:
     plt.close(fig)
 
 
-def _panels(spec: dict[str, Any], out_dir: Path) -> dict[str, dict[str, list[dict[str, Any]]]]:
+def _panels(logs: Logs) -> dict[str, dict[str, list[dict[str, Any]]]]:
     """Finished logs grouped as panel (the setting without its target) → target → logs."""
     panels: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    for cell, log in _logs(spec, out_dir):
+    for cell, log in logs:
         panel = ",".join(
             p for p in _setting(cell["name"]).split(",") if not p.startswith("target=")
         )
@@ -343,11 +353,11 @@ def _mean_band(series: list[list[float]]) -> tuple[list[float], list[float], lis
     return means, lows, highs
 
 
-def plot_curves(spec: dict[str, Any], out_dir: Path, metric: str, path: Path) -> None:
+def plot_curves(logs: Logs, metric: str, path: Path) -> None:
     """Per-version mean of ``metric`` over seeds with its 95% band, one line per target."""
     import matplotlib.pyplot as plt
 
-    panels = _panels(spec, out_dir)
+    panels = _panels(logs)
     fig, axes = _figure(len(panels))
     for ax, (panel, by_target) in zip(axes, sorted(panels.items()), strict=True):
         for target, logs in sorted(by_target.items()):
@@ -364,20 +374,18 @@ def plot_curves(spec: dict[str, Any], out_dir: Path, metric: str, path: Path) ->
     plt.close(fig)
 
 
-def plot_beta(spec: dict[str, Any], out_dir: Path, path: Path) -> None:
-    """β per remaining-horizon bin, averaged over each run's window and then over seeds."""
+def plot_beta(logs: Logs, fraction: float, path: Path) -> None:
+    """β per remaining-horizon bin, averaged over each run's last ``fraction`` and then over seeds."""
     import matplotlib.pyplot as plt
 
-    panels = _panels(spec, out_dir)
+    panels = _panels(logs)
     fig, axes = _figure(len(panels))
-    fraction = window(spec)
     for ax, (panel, by_target) in zip(axes, sorted(panels.items()), strict=True):
         for target, logs in sorted(by_target.items()):
             per_seed = []
             for log in logs:
-                rows = log["beta"][len(log["beta"]) - max(1, round(len(log["beta"]) * fraction)) :]
                 per_bin = []
-                for values in zip(*rows, strict=True):
+                for values in zip(*_tail(log["beta"], fraction), strict=True):
                     defined = [v for v in values if v is not None]
                     per_bin.append(sum(defined) / len(defined) if defined else math.nan)
                 per_seed.append(per_bin)
@@ -398,22 +406,19 @@ def plot_beta(spec: dict[str, Any], out_dir: Path, path: Path) -> None:
 def summarize(spec: dict[str, Any], out_dir: Path) -> str:
     """Write ``summary.md`` and the PNGs for every metric; return the markdown."""
     reference = spec.get("reference", next(iter(spec["targets"])))
+    logs = _logs(spec, out_dir)  # read once for every metric and plot
     sections = []
     for metric in metrics(spec):
-        higher = (
-            True
-            if metric in spec.get("higher_is_better", [])
-            else None
-            if metric in spec.get("signed", [])
-            else False
-        )
-        rows = aggregate(collect(spec, out_dir, metric), reference, higher_is_better=higher)
+        higher: bool | None = metric in spec.get("higher_is_better", [])
+        if not higher and metric in spec.get("signed", []):
+            higher = None
+        rows = aggregate(_scores(spec, logs, metric), reference, higher_is_better=higher)
         direction = {True: "higher is better", False: "lower is better", None: "signed"}[higher]
         sections.append(f"### {metric} ({direction})\n\n{table(rows)}\n")
         plot(rows, out_dir / f"summary_{metric}.png", metric)
-        plot_curves(spec, out_dir, metric, out_dir / f"curves_{metric}.png")
-    if not spec.get("shadows") and any("beta" in log for _, log in _logs(spec, out_dir)[:1]):
-        plot_beta(spec, out_dir, out_dir / "beta.png")
+        plot_curves(logs, metric, out_dir / f"curves_{metric}.png")
+    if not spec.get("shadows") and logs and "beta" in logs[0][1]:
+        plot_beta(logs, window(spec), out_dir / "beta.png")
     paths = [out_dir / cell["name"] / "log.json" for cell in cells(spec)]
     seconds = [json.loads(p.read_text()).get("seconds", 0.0) for p in paths if p.exists()]
     median = sorted(seconds)[len(seconds) // 2] if seconds else 0.0

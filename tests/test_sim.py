@@ -454,6 +454,14 @@ def test_mlp_actor_learns_and_moves_states_it_never_visited() -> None:
         change = (actor.table() - before).abs().sum(-1)
         assert float(change[0, 0]) > 0.0
         assert (float(change[5:, 1:].max()) > 0.0) is moves_elsewhere
+    narrow = ClosedLoopConfig(horizon=16, versions=3, actor="mlp", actor_hidden=4, seed=2)
+    wide = ClosedLoopConfig(horizon=16, versions=3, actor="mlp", actor_hidden=32, seed=2)
+    assert (
+        run_closed_loop(narrow, BRACE(k=4), PPOClip()).value_pi
+        != run_closed_loop(wide, BRACE(k=4), PPOClip()).value_pi
+    )
+    with pytest.raises(ValueError, match="actor_hidden must be >= 1; got 0"):
+        ClosedLoopConfig(actor_hidden=0)
     with pytest.raises(ValueError, match="actor must be 'tabular' or 'mlp'; got 'lstm'"):
         ClosedLoopConfig(actor="lstm")  # type: ignore[arg-type]
 

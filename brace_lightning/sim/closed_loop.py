@@ -377,7 +377,10 @@ def run_closed_loop(
     # The behavior policies of the last S + 1 versions.
     queue: collections.deque[_Policy] = collections.deque(maxlen=config.staleness + 1)
     critic = _Critic(config, mdp, actor.features)
-    shadows = {name: _Critic(config, mdp, actor.features) for name in shadow_targets or {}}
+    shadows = {
+        name: (shadow_target, _Critic(config, mdp, actor.features))
+        for name, shadow_target in (shadow_targets or {}).items()
+    }
     positions = torch.arange(mdp.horizon)
     edges = power_of_two_edges(mdp.horizon, start=1)
     log = VersionLog(beta_edges=list(edges), shadow_gap_pi={name: [] for name in shadows})
@@ -426,11 +429,8 @@ def run_closed_loop(
             ]
         )
         critic.update(target, batch, returns)
-        for name, shadow in shadows.items():
-            assert shadow_targets is not None
-            shadow.update(
-                shadow_targets[name], batch, shadow.labels(shadow_targets[name], batch)[0]
-            )
+        for name, (shadow_target, shadow) in shadows.items():
+            shadow.update(shadow_target, batch, shadow.labels(shadow_target, batch)[0])
             gap = _weighted_gap(shadow.table(), target_policy.values, target_policy.occupancy)
             log.shadow_gap_pi[name].append(gap)
 
@@ -466,10 +466,9 @@ def run_closed_loop(
         log_product = log_w.sum(dim=-1)
         log.log_product_mean.append(float(log_product.mean()))
         log.log_product_min.append(float(log_product.min()))
-        log.kl.append(
-            float(
-                per_token_kl_of_log_probs(mdp, behavior_policy.log_probs, target_policy.log_probs)
-            )
+        kl = per_token_kl_of_log_probs(
+            behavior_policy.log_probs, target_policy.log_probs, behavior_policy.occupancy
         )
+        log.kl.append(float(kl))
         log.reward.append(float(batch.rewards[:, -1].mean()))
     return log

@@ -142,21 +142,23 @@ def per_token_kl(
         0-dim float64 tensor.
     """
     mdp.check_logits("target_logits", target_logits)
+    behavior_log_probs = torch.log_softmax(behavior_logits.to(torch.float64), dim=-1)
     return per_token_kl_of_log_probs(
-        mdp,
-        torch.log_softmax(behavior_logits.to(torch.float64), dim=-1),
+        behavior_log_probs,
         torch.log_softmax(target_logits.to(torch.float64), dim=-1),
+        occupancy_from_good_probability(mdp, behavior_log_probs[..., 0].exp()),
     )
 
 
 def per_token_kl_of_log_probs(
-    mdp: CountingMDP, behavior_log_probs: torch.Tensor, target_log_probs: torch.Tensor
+    behavior_log_probs: torch.Tensor,
+    target_log_probs: torch.Tensor,
+    behavior_occupancy: torch.Tensor,
 ) -> torch.Tensor:
-    """:func:`per_token_kl` from ``[T, C, A]`` float64 log-probabilities of µ and π (no checks)."""
-    behavior_probs = behavior_log_probs.exp()
-    kl = (behavior_probs * (behavior_log_probs - target_log_probs)).sum(dim=-1)  # [T, C]
-    occupancy = occupancy_from_good_probability(mdp, behavior_probs[..., 0])
-    return (occupancy * kl).sum() / mdp.horizon
+    """:func:`per_token_kl` from ``[T, C, A]`` float64 log-probabilities of µ and π and µ's
+    ``[T, C]`` occupancy (no checks), for loops that already hold all three."""
+    kl = (behavior_log_probs.exp() * (behavior_log_probs - target_log_probs)).sum(dim=-1)
+    return (behavior_occupancy * kl).sum() / behavior_occupancy.shape[0]
 
 
 def perturb(
