@@ -14,11 +14,14 @@ build the actor and the critic, shard them, and run one AdamW step on a 2 x 32 b
 - *meta*: ``models/meta_init.py``: both built on the meta device, sharded, ``to_empty``, each rank
   reading only its rows of the safetensors files.
 
-Per rank: peak host RSS (``ru_maxrss``) up to the end of loading and through the first optimizer
-step, minus the RSS of the process before construction (imports, gloo); on ``--device cuda`` the
-peak ``torch.cuda.max_memory_allocated`` instead. The table shows the worst rank, the ratio to the
-actor's fp32 size, the accounting of ``models/memory.py`` for the sharded training state, and the
-time from the start of construction to the end of the first step.
+Per rank: peak host RSS up to the end of loading and through the first optimizer step, minus the
+RSS of the process before construction (imports, gloo): ``VmHWM`` restarted at that RSS through
+``/proc/self/clear_refs`` (:func:`start_peak`, :func:`peak_above`). Not ``ru_maxrss``: a spawned
+rank starts with its parent's peak in it (kept across fork and ``execve``), and the parent here has
+just written the checkpoint, so ``ru_maxrss`` showed the parent's model, not the rank's loading.
+On ``--device cuda`` the peak ``torch.cuda.max_memory_allocated`` instead. The table shows the
+worst rank, the ratio to the actor's fp32 size, the accounting of ``models/memory.py`` for the
+sharded training state, and the time from the start of construction to the end of the first step.
 
 Publishing (``--publish``): fresh processes build the sharded actor (meta path) and, on every rank
 that owns an engine, an :class:`~brace_lightning.rollout.embedded.EmbeddedEngine` (its own full
@@ -43,7 +46,6 @@ import argparse
 import ctypes
 import gc
 import os
-import resource
 import socket
 import tempfile
 import time
@@ -97,10 +99,6 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _peak_since_reset_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -117,6 +115,19 @@ def _reset_peak() -> None:
         refs.write("5")
 
 
+def start_peak() -> int:
+    """Restart this process's peak RSS at its current RSS and return that RSS (bytes), the base
+    of :func:`peak_above`."""
+    _reset_peak()
+    return _rss_bytes()
+
+
+def peak_above(base: int) -> int:
+    """This process's peak RSS since :func:`start_peak` minus its ``base`` (bytes): the memory
+    the process itself touched since then, whatever its parent's peak was."""
+    return _peak_since_reset_bytes() - base
+
+
 def _publish_rank(
     rank: int, mode: str, bucket_mb: int, args: argparse.Namespace, port: int, out: Path
 ) -> None:
@@ -129,8 +140,7 @@ def _publish_rank(
     engine = EmbeddedEngine(plain) if mode != "rank0" or rank == 0 else None
     del plain
     dist.barrier()
-    _reset_peak()
-    base = _rss_bytes()
+    base = start_peak()
     start = time.perf_counter()
     if mode == "full":
         weights = full_state_dict(actor)
@@ -147,7 +157,7 @@ def _publish_rank(
             engine.update_weights_from_buckets(buckets, 1)
         drain(buckets)
     elapsed = time.perf_counter() - start
-    peak = _peak_since_reset_bytes() - base
+    peak = peak_above(base)
     assert engine is None or engine.version == 1
     torch.save((peak, elapsed), out / f"publish-{mode}-{bucket_mb}-{rank}.pt")
     dist.destroy_process_group()
@@ -163,7 +173,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (args.ranks,), mesh_dim_names=("data_parallel",))
     dist.barrier()
-    base = _rss_bytes()
+    base = start_peak()
     start = time.perf_counter()
     if path == "today":
         actor = load_causal_lm(str(args.folder))
@@ -174,7 +184,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     else:
         actor = load_sharded_actor(args.folder, mesh, device=device)
         critic = load_sharded_critic(args.folder, mesh, device=device)
-    loaded_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    loaded_peak = torch.cuda.max_memory_allocated() if cuda else peak_above(base)
     if args.load_only:  # no optimizer step: nan for the step's columns
         elapsed = time.perf_counter() - start
         torch.save((loaded_peak, float("nan"), elapsed), out / f"{path}-{rank}.pt")
@@ -186,7 +196,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     logprobs, _ = token_logprobs(actor, ids, attn)
     (logprobs.mean() + critic(ids, attn).square().mean()).backward()
     optimizer.step()
-    step_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    step_peak = torch.cuda.max_memory_allocated() if cuda else peak_above(base)
     elapsed = time.perf_counter() - start
     torch.save((loaded_peak, step_peak, elapsed), out / f"{path}-{rank}.pt")
     dist.destroy_process_group()
