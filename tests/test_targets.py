@@ -97,14 +97,16 @@ def test_brace_matches_reference(dtype, gamma, lmbda, clips, k, mc_tail):
     assert_close(out.returns, ref_ret, dtype)
 
 
-@pytest.mark.parametrize("k", [1, 37, 100])
+@pytest.mark.parametrize("k", [1, 37, 100, None])
 @pytest.mark.parametrize("mc_tail", [True, False])
-def test_brace_matches_reference_on_rows_longer_than_the_cap(k, mc_tail):
+@pytest.mark.parametrize("log_budget", [None, 0.2, 1.0, 4.0])
+def test_brace_matches_reference_on_rows_longer_than_the_cap(k, mc_tail, log_budget):
     mask = torch.ones(2, 160, dtype=torch.bool)
     mask[1, :30] = False  # a long prompt
     mask[1, 90:95] = False  # a tool output
     rewards, values, target, behavior = random_inputs(mask, seed=3, scale=0.3)
     kw = dict(gamma=0.999, lmbda=1.0, rho_bar=1.2, c_bar=1.1, k=k, mc_tail=mc_tail)
+    kw["log_budget"] = log_budget  # None: the paper's fixed cap; else docs/conventions.md
     out = brace(rewards, values, target, behavior, mask, **kw)
     ref_adv, ref_ret = reference_targets("brace", rewards, values, mask, target, behavior, **kw)
     assert_close(out.returns, ref_ret, torch.float64)

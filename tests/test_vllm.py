@@ -8,6 +8,9 @@ its weights permanently; tests that load other weights put the original ones bac
 from __future__ import annotations
 
 import gc
+import re
+import weakref
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,6 +24,7 @@ require_vllm()
 from brace_lightning.cli import run  # noqa: E402
 from brace_lightning.logs import read_scalars  # noqa: E402
 from brace_lightning.models.sources import load_actor, load_tokenizer  # noqa: E402
+from brace_lightning.models.weight_sync import gathered_buckets  # noqa: E402
 from brace_lightning.rollout.collect import generation_batch, max_logprob_gap  # noqa: E402
 from brace_lightning.rollout.embedded import EmbeddedEngine  # noqa: E402
 from brace_lightning.rollout.engine import PromptLimit  # noqa: E402
@@ -141,6 +145,93 @@ def test_update_weights_rejects_a_foreign_state_dict(engine, actor):
     with pytest.raises(ValueError, match="expected an integer >= 0"):
         engine.update_weights(actor.state_dict(), -1)
     assert engine.version == 0
+
+
+def _one_tensor_buckets(model: torch.nn.Module) -> Iterator[dict[str, torch.Tensor]]:
+    """``model``'s state dict one tensor (and its tied alias) per bucket, as an FSDP2 publish
+    gathers it: every fused vLLM layer (q/k/v, gate/up) is cut by a bucket boundary."""
+    return gathered_buckets(model, bucket_bytes=1)
+
+
+def test_weights_published_in_buckets_equal_the_same_weights_as_one_dict(engine, actor, other):
+    assert engine._worker_in_process()  # the bucket stream, not the collected fallback
+    state = engine.state_dict()
+    before = engine.generate(PROMPTS, num_samples=2)
+    alive: list[int] = []
+
+    def watched() -> Iterator[dict[str, torch.Tensor]]:
+        """The buckets, counting (when the last one is asked for) the earlier tensors still held."""
+        refs: list[weakref.ref] = []
+        buckets = list(_one_tensor_buckets(other))
+        for index, bucket in enumerate(buckets):
+            if index == len(buckets) - 1:
+                gc.collect()
+                alive.append(sum(ref() is not None for ref in refs))
+            refs.extend(weakref.ref(t) for t in bucket.values())
+            buckets[index] = {}
+            yield bucket
+
+    try:
+        engine.update_weights(other.state_dict(), 5)
+        engine.load_state_dict(state)
+        whole = engine.generate(PROMPTS, num_samples=2)
+        engine.update_weights(actor.state_dict(), 0)
+        engine.update_weights_from_buckets(watched(), 6)
+        assert engine.version == 6 and engine.served_version() == 6
+        engine.load_state_dict(state)
+        streamed = engine.generate(PROMPTS, num_samples=2)
+    finally:
+        engine.update_weights(actor.state_dict(), 0)
+    assert streamed.response_ids == whole.response_ids != before.response_ids
+    assert streamed.logprobs == whole.logprobs
+    assert all(
+        v == [6] * len(t) for v, t in zip(streamed.versions, streamed.response_ids, strict=True)
+    )
+    # vLLM installed the earlier buckets as they came: it holds at most a layer's worth of them.
+    n_tensors = len(other.state_dict())
+    print(f"tensors of earlier buckets still held at the last one: {alive[0]} of {n_tensors - 1}")
+    assert alive[0] <= 4
+
+
+def test_a_bad_bucket_stream_is_one_error_and_partial_weights_are_not_sampled(engine, actor):
+    state = engine.state_dict()
+    before = engine.generate(PROMPTS, num_samples=2)
+    buckets = list(_one_tensor_buckets(actor))
+    first = next(iter(buckets[0]))
+    bad_first = [{first: torch.zeros(3, 3)}, *buckets[1:]]
+    with pytest.raises(
+        ValueError, match=rf"^update_weights_from_buckets got {re.escape(first)} of shape"
+    ):
+        engine.update_weights_from_buckets(iter(bad_first), 1)
+    engine.load_state_dict(state)  # refused before anything was loaded: the engine is unchanged
+    assert engine.generate(PROMPTS, num_samples=2).response_ids == before.response_ids
+
+    def failing_gather() -> Iterator[dict[str, torch.Tensor]]:
+        yield from buckets[:3]
+        raise RuntimeError("gather failed")
+
+    bad_streams = [
+        ([*buckets[:3], {"extra.weight": torch.zeros(1)}], "got 'extra.weight' which is not a key"),
+        ([*buckets, buckets[0]], r"got '[\w.]+' twice; expected each key"),
+        (buckets[:-1], r"got no tensor for \d+ keys \(first '"),
+    ]
+    try:
+        for stream, match in bad_streams:
+            with pytest.raises(ValueError, match=rf"^update_weights_from_buckets {match}"):
+                engine.update_weights_from_buckets(iter(stream), 1)
+            assert engine.version == 0
+            with pytest.raises(RuntimeError, match="refused to sample: the last update_weights"):
+                engine.generate(PROMPTS)
+        with pytest.raises(RuntimeError, match="^gather failed$"):
+            engine.update_weights_from_buckets(failing_gather(), 1)
+        with pytest.raises(RuntimeError, match=r"refused to sample: .* \(gather failed\)"):
+            engine.generate(PROMPTS)
+        with pytest.raises(ValueError, match="expected an integer >= 0"):
+            engine.update_weights_from_buckets(iter(buckets), -1)
+    finally:
+        engine.update_weights_from_buckets(iter(buckets), 0)  # a full stream makes it whole
+    engine.load_state_dict(state)
+    assert engine.generate(PROMPTS, num_samples=2).response_ids == before.response_ids
 
 
 def test_greedy_decoding_agrees_with_the_embedded_engine(actor):

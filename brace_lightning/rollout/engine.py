@@ -312,6 +312,42 @@ def check_state_dict(
             )
 
 
+def check_bucket(
+    bucket: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]],
+    seen: set[str],
+    caller: str = "update_weights_from_buckets",
+) -> None:
+    """Raise one sentence (naming ``caller``) for the first tensor of ``bucket`` whose key is not
+    in ``shapes`` (the actor's state-dict shapes) or is already in ``seen`` (an earlier bucket),
+    or whose shape differs; checks the whole bucket before any of it is used."""
+    for name, tensor in bucket.items():
+        if name not in shapes or name in seen:
+            problem = "twice" if name in seen else "which is not a key of the actor"
+            raise ValueError(
+                f"{caller} got {name!r} {problem}; expected each key of the actor's "
+                "state_dict() exactly once."
+            )
+        if tuple(tensor.shape) != tuple(shapes[name]):
+            raise ValueError(
+                f"{caller} got {name} of shape {tuple(tensor.shape)}; expected "
+                f"{tuple(shapes[name])}, the shape of the actor's state_dict()."
+            )
+
+
+def check_buckets_complete(
+    seen: set[str], keys: Iterable[str], caller: str = "update_weights_from_buckets"
+) -> None:
+    """Raise one sentence (naming ``caller``) when a key of ``keys`` (the actor's state dict) is
+    not in ``seen`` once a bucket stream has ended."""
+    missing = [name for name in keys if name not in seen]
+    if missing:
+        raise ValueError(
+            f"{caller} got no tensor for {len(missing)} keys (first {missing[0]!r}); expected "
+            "buckets covering the actor's whole state_dict()."
+        )
+
+
 @torch.no_grad()
 def copy_buckets(
     buckets: Iterable[Mapping[str, torch.Tensor]],
@@ -322,28 +358,15 @@ def copy_buckets(
 
     Raises:
         ValueError: (naming ``caller``) for a key that is not ``target``'s or arrives twice, a
-            shape that differs, or keys of ``target`` missing once the stream ends; what arrived
-            before the error is already copied.
+            shape that differs (checked for a whole bucket before it is copied), or keys of
+            ``target`` missing once the stream ends; the buckets before the error are already
+            copied.
     """
+    shapes = {name: tuple(tensor.shape) for name, tensor in target.items()}
     seen: set[str] = set()
     for bucket in buckets:
+        check_bucket(bucket, shapes, seen, caller)
         for name, tensor in bucket.items():
-            if name not in target or name in seen:
-                problem = "twice" if name in seen else "which is not a key of the actor"
-                raise ValueError(
-                    f"{caller} got {name!r} {problem}; expected each key of the actor's "
-                    "state_dict() exactly once."
-                )
-            if tuple(tensor.shape) != tuple(target[name].shape):
-                raise ValueError(
-                    f"{caller} got {name} of shape {tuple(tensor.shape)}; expected "
-                    f"{tuple(target[name].shape)}, the shape of the actor's state_dict()."
-                )
             target[name].copy_(tensor.detach())
-            seen.add(name)
-    missing = [name for name in target if name not in seen]
-    if missing:
-        raise ValueError(
-            f"{caller} got no tensor for {len(missing)} keys (first {missing[0]!r}); expected "
-            "buckets covering the actor's whole state_dict()."
-        )
+        seen.update(bucket)
+    check_buckets_complete(seen, target, caller)

@@ -12,7 +12,9 @@ as token ids; the trainer's tokenizer decodes them). What it records per token:
 
 ``update_weights`` pushes a full actor state dict into the running engine
 (``collective_rpc("reload_weights")``) and resets the prefix cache, so no cached key/value of the
-old weights is reused. Sampling is reproducible: call ``i`` of the engine seeds prompt ``j`` with
+old weights is reused. ``update_weights_from_buckets`` (the FSDP2 publish) feeds the buckets to one
+``reload_weights`` call as they arrive, without collecting them (see :class:`BucketStream`).
+Sampling is reproducible: call ``i`` of the engine seeds prompt ``j`` with
 ``seed + 1_000_003 * i + j``, and :meth:`state_dict` saves ``i`` so that a resumed run continues the
 stream.
 
@@ -30,7 +32,7 @@ import os
 import random
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -45,6 +47,8 @@ from brace_lightning.rollout.engine import (
     PromptLimit,
     RolloutEngine,
     Truncation,
+    check_bucket,
+    check_buckets_complete,
     check_generate_args,
     check_sampling_args,
     check_state_keys,
@@ -204,7 +208,8 @@ class SeededRequestEngine(RolloutEngine):
         self.stop_token_ids = (
             _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
         )
-        self._keys = sorted(model.state_dict())
+        self._shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self._keys = sorted(self._shapes)
         self._vocab_size = model.get_input_embeddings().num_embeddings
         self._calls = 0
         self._version = int(version)
@@ -326,6 +331,8 @@ class VLLMEngine(SeededRequestEngine):
             )
         if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             _IN_PROCESS_ENGINES.add(id(self))
+        #: Set when a bucket stream failed part-way: vLLM then holds a mix of old and new weights.
+        self._weights_incomplete: str | None = None
         self._sampling_params = vllm.SamplingParams
         self._tokens_prompt = vllm.inputs.TokensPrompt
         self._set_version(self._version)
@@ -354,7 +361,68 @@ class VLLMEngine(SeededRequestEngine):
         items = [(name, tensor.detach().cpu()) for name, tensor in weights.items()]
         self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": items})
         self._llm.reset_prefix_cache()
+        self._weights_incomplete = None
         self._set_version(int(version))
+
+    def update_weights_from_buckets(
+        self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int
+    ) -> None:
+        """Load the actor's weights arriving as buckets into vLLM as they arrive, then reset the
+        prefix cache and set ``version``; the buckets together must be exactly the full state dict.
+
+        When vLLM's worker runs in this process (in-process engine core, one worker: vLLM's CPU
+        backend here), one ``reload_weights`` call reads the weights from a :class:`BucketStream`:
+        each bucket is checked, then handed on, and vLLM installs each of its layers once all of
+        that layer's tensors arrived; no bucket is kept by the engine after its layers are
+        installed. A worker in another process receives its rpc arguments serialised, all at
+        once, so there the buckets are collected into one dict first (the default of
+        :class:`~brace_lightning.rollout.engine.RolloutEngine`; all keys are then checked before
+        anything is loaded). One ``reload_weights`` call per bucket is not an option: vLLM rebuilds
+        a layer whose tensors it got only in part from uninitialised memory (e.g. a fused q/k/v
+        projection cut by a bucket boundary; measured: the engine then samples garbage).
+
+        A bucket's tensors must stay unchanged until this returns (vLLM holds the tensors of a
+        layer cut by a bucket boundary until its last tensor arrives).
+
+        Raises:
+            ValueError: for ``version`` < 0, a key that is not the actor's or arrives twice, a
+                shape that differs, or keys missing once the stream ends; any other error of the
+                stream itself (a failed gather) is raised as it is. A bad bucket is refused before
+                any of it is loaded: a bad first bucket leaves the engine as it was. After a later
+                one the buckets before it are already installed: vLLM then holds a mix of old and
+                new weights (a layer cut by the bad bucket's boundary is undefined), the version
+                is not changed, and :meth:`generate` refuses to sample until a full set of weights
+                is installed again.
+        """
+        if version < 0:
+            raise ValueError(
+                f"update_weights_from_buckets got version={version}; expected an integer >= 0."
+            )
+        if not self._worker_in_process():
+            super().update_weights_from_buckets(buckets, version)
+            return
+        stream = BucketStream(buckets, self._shapes)
+        self._weights_incomplete = "vLLM's reload_weights did not return"
+        try:
+            self._llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(stream)})
+        finally:
+            self._llm.reset_prefix_cache()
+        if stream.error is not None:
+            # With nothing handed on, vLLM put every layer's own tensors back: the weights are
+            # intact. Otherwise some layers hold new weights (or, cut by the error, undefined ones).
+            self._weights_incomplete = str(stream.error) if stream.started else None
+            raise stream.error
+        self._weights_incomplete = None
+        self._set_version(int(version))
+
+    def _worker_in_process(self) -> bool:
+        """Whether vLLM's (only) worker runs in this process and gets rpc arguments as they are:
+        an in-process engine core (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with vLLM's
+        single-process executor."""
+        from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+        core = getattr(self._llm.llm_engine.engine_core, "engine_core", None)
+        return isinstance(getattr(core, "model_executor", None), UniProcExecutor)
 
     # ------------------------------------------------------------------ sampling
 
@@ -370,6 +438,13 @@ class VLLMEngine(SeededRequestEngine):
         ``extra_stop_token_ids`` also end a response in this call only (a tool call's closing
         token in multi-turn episodes), next to ``stop_token_ids``.
         """
+        if self._weights_incomplete is not None:
+            raise RuntimeError(
+                "VLLMEngine.generate refused to sample: the last update_weights_from_buckets "
+                f"failed part-way ({self._weights_incomplete}), so vLLM holds a mix of old and new "
+                "weights; expected a full set of weights installed again (update_weights or a "
+                "complete bucket stream) first."
+            )
         prompts, truncated, stops, base = self._start_call(
             prompts, num_samples, extra_stop_token_ids
         )
@@ -425,6 +500,48 @@ class VLLMEngine(SeededRequestEngine):
                 with _parallel_state_kept() if _IN_PROCESS_ENGINES else contextlib.nullcontext():
                     shutdown()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+
+class BucketStream:
+    """The ``(name, tensor)`` pairs of a stream of state-dict buckets, for one
+    ``reload_weights`` call that reads them as they arrive.
+
+    Each bucket is checked whole (:func:`~brace_lightning.rollout.engine.check_bucket`) before
+    any of its tensors is handed on, and once the stream ends every key must have arrived. A
+    problem, or an error of the stream itself (a failed gather), ends the iteration quietly and is
+    kept in :attr:`error` for the caller to raise: an exception raised inside vLLM's
+    ``load_weights`` would leave its layers on the meta device (its in-place reload restores them
+    only when loading returns).
+
+    Args:
+        buckets: disjoint parts of the actor's state dict (``models/weight_sync.py``).
+        shapes: the actor's state-dict shapes, by key.
+    """
+
+    def __init__(
+        self,
+        buckets: Iterable[Mapping[str, torch.Tensor]],
+        shapes: Mapping[str, tuple[int, ...]],
+    ) -> None:
+        self._buckets = buckets
+        self._shapes = shapes
+        #: The first problem of the stream, None while there is none.
+        self.error: Exception | None = None
+        #: Whether a tensor was handed on (before that, the engine's weights are unchanged).
+        self.started = False
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[str] = set()
+        try:
+            for bucket in self._buckets:
+                check_bucket(bucket, self._shapes, seen)
+                seen.update(bucket)
+                for name, tensor in bucket.items():
+                    self.started = True
+                    yield name, tensor.detach()
+            check_buckets_complete(seen, self._shapes)
+        except Exception as error:  # ends the stream; the caller raises it after vLLM's reload
+            self.error = error
 
 
 @contextlib.contextmanager

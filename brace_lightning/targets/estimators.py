@@ -133,6 +133,7 @@ class BRACE(ValueTarget):
         c_bar: float = 1.1,
         k: int | None = 100,
         mc_tail: bool = True,
+        log_budget: float | None = None,
     ) -> None:
         """
         Args:
@@ -144,11 +145,15 @@ class BRACE(ValueTarget):
                 None removes the cap (V-trace's target).
             mc_tail: weight residuals past the cap by 1 so they telescope to the realized return
                 (paper default); False keeps ρ_t there (the paper's ablation).
+            log_budget: also end each correction window, before k, where a trace product leaves
+                ``exp(±log_budget)`` (a cap set by the drift, not by a token count; not in the
+                paper); None (default) keeps the fixed cap k only.
         """
         F.check_discount("gamma", gamma)
         F.check_discount("lmbda", lmbda)
         F.check_truncation(rho_bar, c_bar)
         F.check_cap(k)
+        F.check_log_budget(log_budget)
         if not isinstance(mc_tail, bool):
             raise ValueError(f"mc_tail must be a bool; got {mc_tail!r}.")
         self.gamma = gamma
@@ -157,6 +162,7 @@ class BRACE(ValueTarget):
         self.c_bar = c_bar
         self.k = k
         self.mc_tail = mc_tail
+        self.log_budget = log_budget
 
     def __call__(
         self,
@@ -179,4 +185,5 @@ class BRACE(ValueTarget):
             c_bar=self.c_bar,
             k=self.k,
             mc_tail=self.mc_tail,
+            log_budget=self.log_budget,
         )

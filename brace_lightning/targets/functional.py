@@ -34,8 +34,11 @@ __all__ = [
     "check_discount",
     "check_truncation",
     "check_cap",
+    "check_log_budget",
     "gae",
     "vtrace",
+    "budget_windows",
+    "variable_window_scan",
     "windowed_scan",
 ]
 
@@ -72,6 +75,18 @@ def check_cap(k: int | None) -> None:
     """Raise ValueError unless the correction cap ``k`` is an int ≥ 0 (or None for no cap)."""
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"k must be an integer >= 0 or None (no cap); got {k!r}.")
+
+
+def check_log_budget(log_budget: float | None) -> None:
+    """Raise ValueError unless ``log_budget`` is a finite number ≥ 0 (or None for no budget)."""
+    if log_budget is not None and (
+        isinstance(log_budget, bool)
+        or not isinstance(log_budget, int | float)
+        or not 0.0 <= float(log_budget) < math.inf
+    ):
+        raise ValueError(
+            f"log_budget must be a finite number >= 0 or None (no budget); got {log_budget!r}."
+        )
 
 
 def _check_inputs(mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -204,6 +219,96 @@ def windowed_scan(
     return x_acc, p_acc
 
 
+def budget_windows(log_c: torch.Tensor, log_budget: float, cap: int) -> torch.Tensor:
+    """Per start s, the most steps n ≤ ``cap`` whose trace products all stay within the budget:
+
+        n(s) = max{n ≤ cap : |Σ_{i=s}^{s+m−1} log c_i| ≤ log_budget for every m = 1..n}.
+
+    Found by binary lifting over range maxima and minima of the prefix sums of ``log c`` (no loop
+    over time steps): O(B·L·log cap) time and memory.
+
+    Args:
+        log_c: ``[B, L]`` log trace weights (0 past each row's end, so a window never ends there).
+        log_budget: the budget, ≥ 0.
+        cap: the largest window, ≥ 0.
+
+    Returns:
+        ``[B, L]`` int64 window lengths.
+    """
+    batch, length = log_c.shape
+    n = torch.zeros(batch, length, dtype=torch.long, device=log_c.device)
+    if cap == 0 or length == 0:
+        return n
+    # A window's partial sum is within ±budget before each step, so a factor whose log is beyond
+    # ±(2·budget) ends every window that reaches it: clamping there keeps the decisions exact and
+    # keeps log 0 = −inf out of the prefix sums (no inf − inf).
+    bound = 2.0 * log_budget + 1.0
+    step = log_c.to(torch.float64).clamp(-bound, bound)
+    prefix = torch.nn.functional.pad(step.cumsum(1), (1, 0))  # prefix[:, t] = Σ_{i<t} log c_i
+    top = cap.bit_length() - 1
+    # Range tables over prefix[q .. q + 2^j − 1]; padded past the end with the last prefix sum.
+    width = length + 1 + (1 << (top + 1))
+    padded = torch.cat([prefix, prefix[:, -1:].expand(batch, width - length - 1)], dim=1)
+    highs, lows = [padded], [padded]
+    for j in range(1, top + 1):
+        half = 1 << (j - 1)
+        highs.append(torch.maximum(highs[-1], _shift(highs[-1], half, -math.inf)))
+        lows.append(torch.minimum(lows[-1], _shift(lows[-1], half, math.inf)))
+    start = prefix[:, :length]
+    position = torch.arange(1, length + 1, device=log_c.device).expand(batch, length).clone()
+    for j in range(top, -1, -1):
+        size = 1 << j
+        high = highs[j].gather(1, position)
+        low = lows[j].gather(1, position)
+        grow = (n + size <= cap) & (high - start <= log_budget) & (start - low <= log_budget)
+        n += grow * size
+        position += grow * size
+    return n
+
+
+def variable_window_scan(
+    a: torch.Tensor, b: torch.Tensor, n: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`windowed_scan` with a window length of its own for every start s, ``n[:, s]``:
+
+        x_s = Σ_{t=s}^{s+n_s−1} (Π_{i=s}^{t−1} a_i) b_t,    p_s = Π_{i=s}^{s+n_s−1} a_i.
+
+    The windows of length 2^j starting at every column are built by doubling, as in
+    :func:`windowed_scan`, and each start composes the ones of its binary digits by gathering them.
+    Memory O(B·L·log max n).
+
+    Args:
+        a, b: ``[B, L]`` decay and increment (rows padded with ``a = 1, b = 0`` past their end).
+        n: ``[B, L]`` int64 window lengths ≥ 0.
+
+    Returns:
+        ``(x, p)``, both ``[B, L]``.
+    """
+    batch, length = a.shape
+    x = torch.zeros_like(b)
+    p = torch.ones_like(a)
+    longest = int(n.max()) if n.numel() else 0
+    if longest == 0:
+        return x, p
+    tables = [(b, a)]  # windows of length 2^j starting at every column
+    for j in range(1, longest.bit_length()):
+        x_m, p_m = tables[-1]
+        composed = _compose(x_m, p_m, x_m, p_m, 1 << (j - 1))
+        assert composed[1] is not None
+        tables.append((composed[0], composed[1]))
+    position = torch.arange(length, device=a.device).expand(batch, length).clone()
+    for j in range(len(tables) - 1, -1, -1):
+        take = ((n >> j) & 1) == 1
+        inside = take & (position < length)  # a window past the end of the row is empty
+        index = position.clamp(max=length - 1)
+        x_piece = torch.where(inside, tables[j][0].gather(1, index), 0.0)
+        p_piece = torch.where(inside, tables[j][1].gather(1, index), 1.0)
+        x = x + p * x_piece
+        p = p * p_piece
+        position += take * (1 << j)
+    return x, p
+
+
 # --------------------------------------------------------------------------- estimators
 
 
@@ -291,12 +396,14 @@ def _corrected_targets(
     k: int | None,
     mc_tail: bool,
     rho_in_advantage: bool,
+    log_budget: float | None = None,
 ) -> ValueTargets:
     """Shared body of :func:`vtrace` (k=None) and :func:`brace`; see their docstrings."""
     check_discount("gamma", gamma)
     check_discount("lmbda", lmbda)
     check_truncation(rho_bar, c_bar)
     check_cap(k)
+    check_log_budget(log_budget)
     _check_inputs(
         mask,
         rewards=rewards,
@@ -315,19 +422,31 @@ def _corrected_targets(
 
     delta = r + gamma * _shift(v, 1, 0.0) - v
     decay = torch.where(layout.valid, gamma * c, 1.0)
-    capped = k is not None and k < layout.length
-    correction, path_weight = windowed_scan(decay, rho * delta, k, with_products=capped)
+    cap = layout.length if k is None else min(k, layout.length)
+    window: torch.Tensor | None = None
+    if log_budget is not None:
+        log_c = torch.where(layout.valid, torch.log(c), 0.0)
+        window = budget_windows(log_c, float(log_budget), cap)
+        correction, path_weight = variable_window_scan(decay, rho * delta, window)
+    else:
+        capped = cap < layout.length
+        correction, path_weight = windowed_scan(decay, rho * delta, k, with_products=capped)
     target = v + correction
-    if capped:
-        assert path_weight is not None and k is not None
-        # Residuals past the window j = s + k all carry the frozen weight Π_k(s) (path_weight
-        # holds γ^k Π_k(s)). With u_t = 1 they telescope to the discounted return-to-go G_j minus
-        # V_j, which is how we compute them: exact telescoping, no alternating-sign noise.
+    if path_weight is not None:
+        # Residuals past the window j = s + n all carry the frozen weight Π(s) (path_weight holds
+        # γ^n Π(s)). With u_t = 1 they telescope to the discounted return-to-go G_j minus V_j,
+        # which is how we compute them: exact telescoping, no alternating-sign noise.
         if mc_tail:
             tail = _discounted_sum(r, gamma, layout.valid) - v
         else:
             tail = _discounted_sum(rho * delta, gamma, layout.valid)
-        target = target + path_weight * _shift(tail, k, 0.0)
+        if window is None:
+            target = target + path_weight * _shift(tail, cap, 0.0)
+        else:
+            after = torch.arange(layout.length, device=tail.device) + window
+            padded_tail = torch.nn.functional.pad(tail, (0, 1))
+            tail_at = padded_tail.gather(1, after.clamp(max=layout.length))
+            target = target + path_weight * tail_at
 
     target = torch.where(layout.valid, target, 0.0)
     _check_products_finite(target, lmbda=lmbda, c_bar=c_bar, k=k, length=layout.length)
@@ -397,6 +516,7 @@ def brace(
     c_bar: float = 1.1,
     k: int | None = 100,
     mc_tail: bool = True,
+    log_budget: float | None = None,
 ) -> ValueTargets:
     """BRACE: k-capped importance-weighted Bellman residuals plus an anchored Monte-Carlo tail.
 
@@ -416,6 +536,11 @@ def brace(
         gamma, lmbda: in [0, 1].  rho_bar, c_bar: truncation levels, 0 < c̄ ≤ ρ̄.
         k: cap on the number of importance factors in any product (int ≥ 0; None = no cap).
         mc_tail: weight the residuals past the cap by 1 (True) or by ρ_t (False).
+        log_budget: also end each window, before k, at the last step whose trace products all
+            stay within ``exp(±log_budget)``: the window from s holds the most steps n ≤ k with
+            |log Π_{i=s}^{s+m−1} c_i| ≤ log_budget for every m ≤ n, so the cap adapts to how fast
+            the truncated products drift (fast drift: short windows, more Monte-Carlo tail; no
+            drift: up to k). ``c_i`` includes λ. None (default): the fixed cap k only (the paper).
     """
     return _corrected_targets(
         rewards,
@@ -430,4 +555,5 @@ def brace(
         k=k,
         mc_tail=mc_tail,
         rho_in_advantage=False,
+        log_budget=log_budget,
     )
