@@ -1,6 +1,6 @@
 """Staleness grid on a language model: fixed lag S × value target × seed, then paired aggregation.
 
-Each cell is one ``brace-lightning fit`` of a recipe (default ``configs/evidence/long_arith.yaml``)
+Each cell is one ``brace-lightning fit`` of a recipe (default ``configs/evidence/long_count.yaml``)
 with ``--seed_everything N``, ``--data.init_args.lag S`` and one value target. The recipe's
 ``SupervisedWarmStart`` runs once (:func:`warm_start`, into ``OUT/warm_start``) and every cell starts
 from that actor; the model, prompt and engine seeds are set to N, so seeds differ in the critic's
@@ -47,7 +47,7 @@ from typing import Any
 from brace_lightning.sweep import interval
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "configs" / "evidence" / "long_arith.yaml"
+RECIPE = ROOT / "configs" / "evidence" / "long_count.yaml"
 REFERENCE = "gae"
 
 #: Target name -> CLI arguments that select it (every other option comes from the recipe).

@@ -1,10 +1,11 @@
-"""Prompt sources, verifiers and multi-turn tool environments: arithmetic, GSM8K, calculator tool,
+"""Prompt sources, verifiers and multi-turn tool environments: arithmetic, counting, GSM8K, calculator tool,
 BM25 retrieval QA, your own prompts from JSONL files or Hugging Face datasets, and the interfaces
 users implement."""
 
 from brace_lightning.tasks.arithmetic import ArithmeticReward, ArithmeticTask
 from brace_lightning.tasks.base import Prompt, PromptList, PromptSource, RewardFunction
 from brace_lightning.tasks.calculator import CalculatorEnv
+from brace_lightning.tasks.counting import CountingReward, CountingTask
 from brace_lightning.tasks.env import ToolEnvironment
 from brace_lightning.tasks.gsm8k import GSM8K, GSM8KReward
 from brace_lightning.tasks.prompts import HFPrompts, JSONLPrompts
@@ -16,6 +17,8 @@ __all__ = [
     "ArithmeticReward",
     "ArithmeticTask",
     "CalculatorEnv",
+    "CountingReward",
+    "CountingTask",
     "GSM8KReward",
     "HFPrompts",
     "JSONLPrompts",
