@@ -3,7 +3,13 @@ BM25 retrieval QA, your own prompts from JSONL files or Hugging Face datasets, a
 users implement."""
 
 from brace_lightning.tasks.arithmetic import ArithmeticReward, ArithmeticTask
-from brace_lightning.tasks.base import Prompt, PromptList, PromptSource, RewardFunction
+from brace_lightning.tasks.base import (
+    GeneratedTask,
+    Prompt,
+    PromptList,
+    PromptSource,
+    RewardFunction,
+)
 from brace_lightning.tasks.calculator import CalculatorEnv
 from brace_lightning.tasks.counting import CountingReward, CountingTask
 from brace_lightning.tasks.env import ToolEnvironment
@@ -20,6 +26,7 @@ __all__ = [
     "CountingReward",
     "CountingTask",
     "GSM8KReward",
+    "GeneratedTask",
     "HFPrompts",
     "JSONLPrompts",
     "Prompt",

@@ -15,11 +15,11 @@ value. Operands are drawn uniformly from ``[0, max_value]``; intermediate result
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
-from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
+from brace_lightning.tasks.base import GeneratedTask, Prompt, RewardFunction
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 _INTEGER = re.compile(r"-?\d+")
@@ -69,7 +69,7 @@ def parse_final_answer(completion: str) -> int | None:
     return int(tail) if len(tail) <= _MAX_ANSWER_CHARS and _INTEGER.fullmatch(tail) else None
 
 
-class ArithmeticTask(PromptSource):
+class ArithmeticTask(GeneratedTask):
     """Random arithmetic prompts with answers and reference solutions.
 
     Args:
@@ -111,7 +111,8 @@ class ArithmeticTask(PromptSource):
             raise ValueError(f"tool_calls must be a bool; got {tool_calls!r}.")
         self.tool_calls = tool_calls
 
-    def _draw(self, generator: torch.Generator) -> Prompt:
+    def draw(self, generator: torch.Generator) -> Prompt:
+        """One random prompt drawn with ``generator``."""
         low, high = self.num_operands
         k = int(torch.randint(low, high + 1, (), generator=generator))
         operands = torch.randint(0, self.max_value + 1, (k,), generator=generator).tolist()
@@ -123,18 +124,6 @@ class ArithmeticTask(PromptSource):
             answer=str(value),
             metadata={"operands": operands, "ops": ops, "solution": solution},
         )
-
-    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
-        """``n`` random prompts drawn with ``generator``."""
-        if n < 0:
-            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
-        return [self._draw(generator) for _ in range(n)]
-
-    def __iter__(self) -> Iterator[Prompt]:
-        """An endless stream of prompts, identical on every call (seeded by ``seed``)."""
-        generator = torch.Generator().manual_seed(self.seed)
-        while True:
-            yield self._draw(generator)
 
     @staticmethod
     def solution(prompt: Prompt) -> str:
@@ -158,16 +147,10 @@ class ArithmeticTask(PromptSource):
             value = result
         return "".join(steps) + f"#{value}"
 
-    def supervised_pairs(self, n: int, *, seed: int | None = None) -> list[tuple[str, str]]:
-        """``n`` ``(prompt text, reference solution)`` pairs for a supervised warm start.
-
-        Args:
-            n: number of pairs.
-            seed: seed of the draw; None uses ``seed + 1`` so the pairs differ from ``iter(task)``.
-        """
-        generator = torch.Generator().manual_seed(self.seed + 1 if seed is None else seed)
-        reference = self.tool_solution if self.tool_calls else self.solution
-        return [(p.text, reference(p)) for p in self.sample(n, generator)]
+    def reference(self, prompt: Prompt) -> str:
+        """The warm start's completion: :meth:`tool_solution` with ``tool_calls``, else
+        :meth:`solution`."""
+        return self.tool_solution(prompt) if self.tool_calls else self.solution(prompt)
 
 
 class ArithmeticReward(RewardFunction):

@@ -57,6 +57,47 @@ class PromptSource(ABC):
         """Prompts in a deterministic order (the same on every call)."""
 
 
+class GeneratedTask(PromptSource):
+    """A procedurally generated task: prompts drawn one at a time by :meth:`draw`, each with a
+    reference completion (:meth:`reference`) for a supervised warm start.
+
+    Gives :meth:`sample`, a seeded endless :meth:`__iter__` and :meth:`supervised_pairs`; subclasses
+    set ``self.seed`` and implement :meth:`draw` and :meth:`reference`.
+    """
+
+    seed: int
+
+    @abstractmethod
+    def draw(self, generator: torch.Generator) -> Prompt:
+        """One random prompt, ``generator`` its only source of randomness."""
+
+    @abstractmethod
+    def reference(self, prompt: Prompt) -> str:
+        """The completion a supervised warm start fits for ``prompt`` (without eos)."""
+
+    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
+        """``n`` random prompts drawn with ``generator``."""
+        if n < 0:
+            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
+        return [self.draw(generator) for _ in range(n)]
+
+    def __iter__(self) -> Iterator[Prompt]:
+        """An endless stream of prompts, identical on every call (seeded by ``seed``)."""
+        generator = torch.Generator().manual_seed(self.seed)
+        while True:
+            yield self.draw(generator)
+
+    def supervised_pairs(self, n: int, *, seed: int | None = None) -> list[tuple[str, str]]:
+        """``n`` ``(prompt text, reference completion)`` pairs for a supervised warm start.
+
+        Args:
+            n: number of pairs.
+            seed: seed of the draw; None uses ``seed + 1`` so the pairs differ from ``iter(task)``.
+        """
+        generator = torch.Generator().manual_seed(self.seed + 1 if seed is None else seed)
+        return [(p.text, self.reference(p)) for p in self.sample(n, generator)]
+
+
 class PromptList(PromptSource):
     """A prompt source backed by a list of prompts (``self.prompts``, filled by the subclass).
 

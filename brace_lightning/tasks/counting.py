@@ -18,11 +18,9 @@ setting of the paper's critic-side correction, at a size a CPU trains.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 
-from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
+from brace_lightning.tasks.base import GeneratedTask, Prompt, RewardFunction
 
 _MAX_COMPLETION_CHARS = 100_000
 
@@ -38,7 +36,7 @@ def count_solution(start: int, stop: int) -> str:
     return ";".join(str(n) for n in range(start, stop + 1))
 
 
-class CountingTask(PromptSource):
+class CountingTask(GeneratedTask):
     """Random counting prompts ``a:b=`` with the list ``a;a+1;...;b`` as reference solution.
 
     Args:
@@ -84,7 +82,8 @@ class CountingTask(PromptSource):
         self.high = int(high)
         self.seed = int(seed)
 
-    def _draw(self, generator: torch.Generator) -> Prompt:
+    def draw(self, generator: torch.Generator) -> Prompt:
+        """One random prompt drawn with ``generator``."""
         span = int(torch.randint(self.span[0], self.span[1] + 1, (), generator=generator))
         if self.end_multiple is None:
             start = int(torch.randint(self.low, self.high - span + 2, (), generator=generator))
@@ -101,32 +100,14 @@ class CountingTask(PromptSource):
             metadata={"start": start, "stop": stop, "solution": solution},
         )
 
-    def sample(self, n: int, generator: torch.Generator) -> list[Prompt]:
-        """``n`` random prompts drawn with ``generator``."""
-        if n < 0:
-            raise ValueError(f"sample got n={n}; expected an integer >= 0.")
-        return [self._draw(generator) for _ in range(n)]
-
-    def __iter__(self) -> Iterator[Prompt]:
-        """An endless stream of prompts, identical on every call (seeded by ``seed``)."""
-        generator = torch.Generator().manual_seed(self.seed)
-        while True:
-            yield self._draw(generator)
-
     @staticmethod
     def solution(prompt: Prompt) -> str:
         """The reference completion of a counting ``prompt`` (without eos)."""
         return str(prompt.metadata["solution"])
 
-    def supervised_pairs(self, n: int, *, seed: int | None = None) -> list[tuple[str, str]]:
-        """``n`` ``(prompt text, reference solution)`` pairs for a supervised warm start.
-
-        Args:
-            n: number of pairs.
-            seed: seed of the draw; None uses ``seed + 1`` so the pairs differ from ``iter(task)``.
-        """
-        generator = torch.Generator().manual_seed(self.seed + 1 if seed is None else seed)
-        return [(p.text, self.solution(p)) for p in self.sample(n, generator)]
+    def reference(self, prompt: Prompt) -> str:
+        """The warm start's completion: :meth:`solution`."""
+        return self.solution(prompt)
 
 
 def correct_prefix(completion: str, solution: str) -> int:
