@@ -93,17 +93,16 @@ class CountingTask(GeneratedTask):
             first, last = -(-(self.low + span - 1) // m), self.high // m
             stop = m * int(torch.randint(first, last + 1, (), generator=generator))
             start = stop - span + 1
-        solution = count_solution(start, stop)
         return Prompt(
             text=f"{start}:{stop}=",
-            answer=solution,
-            metadata={"start": start, "stop": stop, "solution": solution},
+            answer=count_solution(start, stop),
+            metadata={"start": start, "stop": stop},
         )
 
     @staticmethod
     def solution(prompt: Prompt) -> str:
-        """The reference completion of a counting ``prompt`` (without eos)."""
-        return str(prompt.metadata["solution"])
+        """The reference completion of a counting ``prompt`` (without eos): its answer, the list."""
+        return prompt.answer
 
     def reference(self, prompt: Prompt) -> str:
         """The warm start's completion: :meth:`solution`."""
