@@ -60,7 +60,7 @@ from brace_lightning.models.packing import (
     use_varlen_attention,
 )
 from brace_lightning.models.parallelize import checkpoint_activations
-from brace_lightning.models.policy import load_causal_lm, token_logprobs
+from brace_lightning.models.policy import DEFAULT_CHUNK_SIZE, load_causal_lm, token_logprobs
 
 
 def qwen25_05b_config(layers: int, max_positions: int, vocab: int = 151_936) -> Qwen2Config:
@@ -211,7 +211,7 @@ def main() -> None:
         default=[1024, 4096, 8192],
         help="single-row lengths of part 1 (none: skip part 1)",
     )
-    parser.add_argument("--chunk-size", type=positive_int, default=1024)
+    parser.add_argument("--chunk-size", type=positive_int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--rows", type=int, default=16, help="minibatch rows (0 = skip part 2)")
     parser.add_argument("--batch-lengths", type=positive_int, nargs=2, default=[64, 4096])
     parser.add_argument("--padded-rows", type=positive_int, default=2)

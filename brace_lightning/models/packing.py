@@ -34,7 +34,7 @@ from brace_lightning.models.chunked import (
     final_hidden_states,
     linear_lm_head,
 )
-from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.critic import ValueModel, transformer_of
 from brace_lightning.models.policy import DEFAULT_CHUNK_SIZE, position_ids_from_attention_mask
 
 #: A packed probe row passes when its distance to the rows run one by one is at most this fraction
@@ -115,17 +115,12 @@ ALL_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, varlen_sdpa_attention)
 ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa_mask)
 
 
-def _base(model: nn.Module) -> nn.Module:
-    """The transformer of a causal LM or of a ValueModel."""
-    return model.backbone if isinstance(model, ValueModel) else model.base_model
-
-
 def use_varlen_attention(model: nn.Module) -> bool:
     """Switch ``model`` (a causal LM or a ValueModel) from ``sdpa`` to :data:`VARLEN_SDPA`, which
     gives the same numbers on every call and runs packed rows without an ``N × N`` mask. Other
     implementations (flash-attention varlen kernels, eager, flex) are left alone. Returns whether
     the model now uses it."""
-    config = _base(model).config
+    config = transformer_of(model).config
     if config._attn_implementation == "sdpa":
         config._attn_implementation = VARLEN_SDPA
     return config._attn_implementation == VARLEN_SDPA
@@ -138,7 +133,7 @@ def prepare_packing(model: nn.Module) -> str | None:
     a model whose own code reads the implementation's name (Falcon branches on ``"sdpa"``) is
     switched back and checked with SDPA's block-diagonal mask.
     """
-    config = _base(model).config
+    config = transformer_of(model).config
     before = config._attn_implementation
     if use_varlen_attention(model):
         problem = packing_problem(model)
@@ -255,7 +250,7 @@ def packing_problem(model: nn.Module) -> str | None:
         One clause naming the reason, or None.
     """
     critic = isinstance(model, ValueModel)
-    base = _base(model)
+    base = transformer_of(model)
     if "position_ids" not in inspect.signature(base.forward).parameters:
         return f"{type(base).__name__}.forward takes no position_ids"
     attention = getattr(base.config, "_attn_implementation", None)

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.critic import ValueModel, transformer_of
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, MIB, gathered_buckets
 
@@ -183,7 +183,7 @@ def checkpoint_activations(model: nn.Module) -> nn.Module:
     Raises:
         ValueError: when the model's transformers class has no gradient checkpointing.
     """
-    base = model.backbone if isinstance(model, ValueModel) else model
+    base = transformer_of(model)
     if not getattr(base, "supports_gradient_checkpointing", False):
         raise ValueError(
             f"activation_checkpointing=True got a {type(base).__name__}, which has no gradient "
