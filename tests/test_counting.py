@@ -86,3 +86,19 @@ def test_end_multiple_puts_every_stop_on_a_multiple():
     assert all(p.metadata["start"] >= 100 and 38 <= len(p.answer.split(";")) <= 48 for p in prompts)
     with pytest.raises(ValueError, match="end_multiple=1000; expected None or an integer >= 1"):
         CountingTask(end_multiple=1000)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"end_multiple": "x"}, "end_multiple='x'; expected None or an integer >= 1"),
+        ({"end_multiple": 2.5}, "end_multiple=2.5; expected None or an integer >= 1"),
+        ({"span": "ab"}, "span='ab'; expected an integer >= 2 or a range"),
+        ({"span": (3, "x")}, r"span=\(3, 'x'\); expected an integer >= 2 or a range"),
+        ({"low": "1"}, "low='1', high=999; expected 0 <= low"),
+        ({"high": 5.0}, "low=100, high=5.0; expected 0 <= low"),
+    ],
+)
+def test_arguments_of_the_wrong_type_get_one_sentence(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        CountingTask(**kwargs)
