@@ -93,4 +93,3 @@ def test_end_multiple_puts_every_stop_on_a_multiple():
     assert all(p.metadata["start"] >= 100 and 38 <= len(p.answer.split(";")) <= 48 for p in prompts)
     with pytest.raises(ValueError, match="end_multiple=1000; expected None or an integer >= 1"):
         CountingTask(end_multiple=1000)
-
