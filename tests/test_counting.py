@@ -54,6 +54,13 @@ def test_stream_is_deterministic_and_pairs_differ_from_it():
         ({"span": (10, 5)}, r"span=\(10, 5\)"),
         ({"low": -1}, "low=-1, high=999"),
         ({"span": 50, "low": 0, "high": 10}, "room for the longest span"),
+        # Wrong types get the same one sentence, not a TypeError from a comparison.
+        ({"end_multiple": "x"}, "end_multiple='x'; expected None or an integer >= 1"),
+        ({"end_multiple": 2.5}, "end_multiple=2.5; expected None or an integer >= 1"),
+        ({"span": "ab"}, "span='ab'; expected an integer >= 2 or a range"),
+        ({"span": (3, "x")}, r"span=\(3, 'x'\); expected an integer >= 2 or a range"),
+        ({"low": "1"}, "low='1', high=999; expected 0 <= low"),
+        ({"high": 5.0}, "low=100, high=5.0; expected 0 <= low"),
     ],
 )
 def test_task_validation(kwargs, match):

@@ -25,6 +25,11 @@ from brace_lightning.tasks.base import GeneratedTask, Prompt, RewardFunction
 _MAX_COMPLETION_CHARS = 100_000
 
 
+def _is_int(value: object) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def count_solution(start: int, stop: int) -> str:
     """The reference completion for ``start:stop=``: every integer from ``start`` to ``stop``.
 
@@ -58,22 +63,25 @@ class CountingTask(GeneratedTask):
         seed: int = 0,
         end_multiple: int | None = None,
     ) -> None:
-        span_low, span_high = (span, span) if isinstance(span, int) else span
-        if not 2 <= span_low <= span_high:
+        pair = (span, span) if _is_int(span) else span
+        span_low, span_high = pair if isinstance(pair, tuple | list) and len(pair) == 2 else (0, 0)
+        if not (_is_int(span_low) and _is_int(span_high) and 2 <= span_low <= span_high):
             raise ValueError(
-                f"CountingTask got span={span}; expected an integer >= 2 or a range (low, high) "
+                f"CountingTask got span={span!r}; expected an integer >= 2 or a range (low, high) "
                 "with 2 <= low <= high."
             )
-        if low < 0 or high - low + 1 < span_high:
+        if not (_is_int(low) and _is_int(high)) or low < 0 or high - low + 1 < span_high:
             raise ValueError(
-                f"CountingTask got low={low}, high={high}; expected 0 <= low and room for the "
+                f"CountingTask got low={low!r}, high={high!r}; expected 0 <= low and room for the "
                 f"longest span ({span_high} integers) between them."
             )
         if end_multiple is not None and not (
-            end_multiple >= 1 and low + span_high - 1 <= (high // end_multiple) * end_multiple
+            _is_int(end_multiple)
+            and end_multiple >= 1
+            and low + span_high - 1 <= (high // end_multiple) * end_multiple
         ):
             raise ValueError(
-                f"CountingTask got end_multiple={end_multiple}; expected None or an integer >= 1 "
+                f"CountingTask got end_multiple={end_multiple!r}; expected None or an integer >= 1 "
                 f"with a multiple of it in [{low + span_high - 1}, {high}] to end the longest span."
             )
         self.end_multiple = None if end_multiple is None else int(end_multiple)
