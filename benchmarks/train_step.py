@@ -100,7 +100,9 @@ def packing_table(steps: int, repeats: int, root: Path) -> None:
             with ExitStack() as stack:
                 if dense:  # keep the model on plain SDPA: the mask transformers builds is dense
                     stack.enter_context(
-                        mock.patch("brace_lightning.module.use_varlen_attention", lambda _m: False)
+                        mock.patch(
+                            "brace_lightning.models.packing.use_varlen_attention", lambda _m: False
+                        )
                     )
                 seconds, times = one_run("brace", steps, root, extra, name=f"packing{index}")
             step_s[case] += seconds

@@ -387,3 +387,36 @@ def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() 
     table = {line.split(" | ")[0]: line.split(" | ")[1:3] for line in lines if "budget" in line}
     assert table["| sorted, 96 padded-token budget, chunked"] == ["3", "184"]
     assert table["| sorted, 96 real-token budget, packed, chunked"] == ["3", "170"]
+
+
+@pytest.mark.slow
+def test_the_train_step_benchmark_times_padded_and_both_packed_attentions() -> None:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.train_step",
+            "--packing",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| padded",
+        "| packed, row-by-row SDPA",
+        "| packed, dense N × N mask",
+    ], done.stdout
+    assert rows[0].endswith("| 1.00 |")
+    for row in rows:
+        step, update, forward, ratio = (float(x) for x in row.strip("| ").split(" | ")[1:])
+        assert step > 0 and update > 0 and forward > 0 and ratio > 0
