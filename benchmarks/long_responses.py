@@ -19,10 +19,13 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
    c. ``budget``: rows sorted by length in micro-batches of at most ``--max-tokens`` padded tokens
       (rows × width), chunked log-probs (``max_tokens_per_micro_batch``);
    d. ``packed``: rows sorted by length in micro-batches of at most ``--max-tokens`` real tokens,
-      each run as one packed row, chunked log-probs (``pack_sequences=True``,
-      ``models/packing.py``).
+      each run as one packed row attended row by row (``VARLEN_SDPA``), chunked log-probs
+      (``pack_sequences=True``, ``models/packing.py``).
 
    tokens/s counts the real tokens; ratios are against (a) measured in the same process.
+
+``--activation-checkpointing`` recomputes every decoder block in the backward pass, in every case
+alike (``BraceModule(activation_checkpointing=True)``).
 
 Peak memory is measured in a child process whose allocator returns every tensor to the OS (see
 ``benchmarks/_timing.py``); ratios compare runs in the same process. ``--device cuda`` runs the same
@@ -51,8 +54,13 @@ from benchmarks._timing import (
 )
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.microbatch import MicroBatch, plan_micro_batches, widen
-from brace_lightning.models.packing import packed_token_logprobs, packed_values
-from brace_lightning.models.policy import load_causal_lm, token_logprobs
+from brace_lightning.models.packing import (
+    packed_token_logprobs,
+    packed_values,
+    use_varlen_attention,
+)
+from brace_lightning.models.parallelize import checkpoint_activations
+from brace_lightning.models.policy import DEFAULT_CHUNK_SIZE, load_causal_lm, token_logprobs
 
 
 def qwen25_05b_config(layers: int, max_positions: int, vocab: int = 151_936) -> Qwen2Config:
@@ -203,7 +211,7 @@ def main() -> None:
         default=[1024, 4096, 8192],
         help="single-row lengths of part 1 (none: skip part 1)",
     )
-    parser.add_argument("--chunk-size", type=positive_int, default=1024)
+    parser.add_argument("--chunk-size", type=positive_int, default=DEFAULT_CHUNK_SIZE)
     parser.add_argument("--rows", type=int, default=16, help="minibatch rows (0 = skip part 2)")
     parser.add_argument("--batch-lengths", type=positive_int, nargs=2, default=[64, 4096])
     parser.add_argument("--padded-rows", type=positive_int, default=2)
@@ -213,6 +221,11 @@ def main() -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="part 2 also runs the critic's loss forward + backward",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute every decoder block in the backward pass (both paths alike)",
     )
     parser.add_argument("--repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=int, default=0)
@@ -233,6 +246,11 @@ def main() -> None:
     critic = None
     if args.critic and args.rows:
         critic = ValueModel.from_actor(model, seed=1, head_init_std=0.1).train()
+    for net in (model, critic):
+        if net is not None:
+            use_varlen_attention(net)  # packed rows attend row by row, as in the trainer
+            if args.activation_checkpointing:
+                checkpoint_activations(net)
     measured = cases(args, model, critic)
     if args.memory_child:
         print(
@@ -253,6 +271,7 @@ def main() -> None:
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}; "
         f"Qwen2.5-0.5B shape, {args.layers} layers, V={args.vocab}, float32; "
         f"chunk={args.chunk_size}; "
+        f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}; "
         f"median of {args.repeats} runs taken in turns (after 1 warm-up)"
     )
     if args.lengths:

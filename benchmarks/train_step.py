@@ -1,6 +1,7 @@
 """Step time of the quickstart model with each value target, and the value target's share of it.
 
     python -m benchmarks.train_step [--steps 12] [--repeats 3]
+    python -m benchmarks.train_step --packing [--steps 12] [--repeats 3]
 
 Each run is the quickstart recipe without the warm start (random tiny model, fixed lag 2), timed
 per training step (generation + log-probs + values + value target + PPO update). For every target
@@ -9,6 +10,13 @@ we report the median step time, the median time of the value-target call (logged
 difference of the value-target medians divided by GAE's median step time (paper: +1.5% step time
 for BRACE over uncorrected asynchronous PPO). Runs alternate between targets so that machine load
 affects them alike.
+
+``--packing`` times the quickstart (BRACE) with padded micro-batches against packed ones
+(``pack_sequences``): packed with the row-by-row SDPA the trainer switches to
+(``models/packing.py``, ``VARLEN_SDPA``), and packed with plain SDPA and its dense block-diagonal
+``N × N`` mask (the trainer before ``VARLEN_SDPA``). It reports the medians of the step, of the PPO
+update (``time/update_ms``) and of the scoring forwards (``time/old_forward_ms``), and the ratios
+of the step to the padded one.
 """
 
 from __future__ import annotations
@@ -17,7 +25,9 @@ import argparse
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from pathlib import Path
+from unittest import mock
 
 import lightning.pytorch as pl
 import torch
@@ -43,8 +53,10 @@ class StepTimer(pl.Callback):
         self.seconds.append(time.perf_counter() - self._start)
 
 
-def one_run(target: str, steps: int, root: Path) -> tuple[list[float], list[float]]:
-    """(step seconds, value-target ms) of every step after the first of one run."""
+def one_run(
+    target: str, steps: int, root: Path, extra: tuple[str, ...] = (), name: str | None = None
+) -> tuple[list[float], dict[str, list[float]]]:
+    """(step seconds, logged ``time/*`` ms) of every step after the first of one run."""
     timer = StepTimer()
     trainer_args = [
         "fit",
@@ -55,14 +67,60 @@ def one_run(target: str, steps: int, root: Path) -> tuple[list[float], list[floa
         "--trainer.callbacks=[]",
         f"--trainer.limit_train_batches={steps}",
         f"--trainer.logger.init_args.save_dir={root}",
-        f"--trainer.logger.init_args.name={target}",
+        f"--trainer.logger.init_args.name={name or target}",
         "--trainer.enable_progress_bar=false",
         "--model.critic_warmup_steps=0",
+        *extra,
     ]
     cli = run(trainer_args, trainer_defaults={"callbacks": [timer]})
     scalars = read_scalars(cli.trainer.logger.log_dir)
-    target_ms = [value for _, value in scalars["time/value_target_ms"]]
-    return timer.seconds[1:], target_ms[1:]
+    times = {
+        key: [value for _, value in series][1:]
+        for key, series in scalars.items()
+        if key.startswith("time/")
+    }
+    return timer.seconds[1:], times
+
+
+#: ``--packing``'s cases: name → (extra CLI arguments, packed rows keep plain SDPA's dense mask).
+PACKING_CASES = {
+    "padded": (("--model.pack_sequences=false",), False),
+    "packed, row-by-row SDPA": (("--model.pack_sequences=true",), False),
+    "packed, dense N × N mask": (("--model.pack_sequences=true",), True),
+}
+
+
+def packing_table(steps: int, repeats: int, root: Path) -> None:
+    """Print the step, update and scoring-forward medians of :data:`PACKING_CASES`."""
+    step_s: dict[str, list[float]] = {case: [] for case in PACKING_CASES}
+    update_ms: dict[str, list[float]] = {case: [] for case in PACKING_CASES}
+    forward_ms: dict[str, list[float]] = {case: [] for case in PACKING_CASES}
+    for _ in range(repeats):
+        for index, (case, (extra, dense)) in enumerate(PACKING_CASES.items()):
+            with ExitStack() as stack:
+                if dense:  # keep the model on plain SDPA: the mask transformers builds is dense
+                    stack.enter_context(
+                        mock.patch(
+                            "brace_lightning.models.packing.use_varlen_attention", lambda _m: False
+                        )
+                    )
+                seconds, times = one_run("brace", steps, root, extra, name=f"packing{index}")
+            step_s[case] += seconds
+            update_ms[case] += times["time/update_ms"]
+            forward_ms[case] += times["time/old_forward_ms"]
+    padded = statistics.median(step_s["padded"])
+    print(
+        f"quickstart model (BRACE), {repeats} runs × {steps - 1} timed steps per case, "
+        f"threads={torch.get_num_threads()}; medians\n"
+    )
+    print("| micro-batches | step s | PPO update ms | scoring forwards ms | step × padded |")
+    print("|---|---|---|---|---|")
+    for case in PACKING_CASES:
+        step = statistics.median(step_s[case])
+        print(
+            f"| {case} | {step:.3f} | {statistics.median(update_ms[case]):.0f} | "
+            f"{statistics.median(forward_ms[case]):.0f} | {step / padded:.2f} |"
+        )
 
 
 def main() -> None:
@@ -72,16 +130,23 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--packing", action="store_true", help="padded against packed micro-batches instead"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.packing:
+        with tempfile.TemporaryDirectory() as root:
+            packing_table(args.steps, args.repeats, Path(root))
+        return
     step_s: dict[str, list[float]] = {t: [] for t in TARGETS}
     target_ms: dict[str, list[float]] = {t: [] for t in TARGETS}
     with tempfile.TemporaryDirectory() as root:
         for _ in range(args.repeats):
             for target in TARGETS:
-                seconds, ms = one_run(target, args.steps, Path(root))
+                seconds, times = one_run(target, args.steps, Path(root))
                 step_s[target] += seconds
-                target_ms[target] += ms
+                target_ms[target] += times["time/value_target_ms"]
     gae_step = statistics.median(step_s["gae"])
     gae_target = statistics.median(target_ms["gae"]) / 1e3
     print(

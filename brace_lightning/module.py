@@ -66,8 +66,13 @@ from brace_lightning.models.microbatch import (
     score_rows,
     widen,
 )
-from brace_lightning.models.packing import packed_token_logprobs, packed_values, packing_problem
+from brace_lightning.models.packing import (
+    packed_token_logprobs,
+    packed_values,
+    prepare_packing,
+)
 from brace_lightning.models.parallelize import (
+    checkpoint_activations,
     full_state_dict,
     is_sharded,
     mixed_precision_dtypes,
@@ -151,7 +156,9 @@ class BraceModule(pl.LightningModule):
             at the start of a step. None = no budget.
         pack_sequences: run every actor and critic forward of a step (scoring, EWMA and reference
             actors, the PPO update) on packed rows: the real tokens of a micro-batch as one row,
-            no padding (``models/packing.py``); losses and gradients are those of padded rows. A
+            no padding (``models/packing.py``); losses and gradients are those of padded rows.
+            On by default. An SDPA model is switched to ``VARLEN_SDPA`` (SDPA row by row of a
+            packed row, no ``N × N`` mask); flash-attention models use their varlen kernels. A
             model that cannot pack (``packing_problem``) makes the trainer log one sentence and
             keep padded rows.
         critic_warmup_steps: rollout steps during which only the critic is trained.
@@ -160,8 +167,10 @@ class BraceModule(pl.LightningModule):
         tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
         tiny_num_layers: depth of the ``"tiny-char"`` model.
         seed: seed of the tiny model's initialisation and of the minibatch shuffling.
-        activation_checkpointing: under ``ModelParallelStrategy`` (FSDP2), recompute each
-            transformer block's activations in the backward pass (less memory, one more forward).
+        activation_checkpointing: recompute each transformer block's activations of the actor
+            and the critic in the backward pass (less memory, one more forward): blocks wrapped
+            before sharding under ``ModelParallelStrategy`` (FSDP2), transformers' gradient
+            checkpointing otherwise (single device, DDP).
         fsdp_mixed_precision: under FSDP2, ``"auto"`` (bf16 parameters, fp32 gradient reduction on
             GPU; fp32 on CPU), ``"bf16"`` or ``"fp32"``. The value head, the log-probs and the
             values stay fp32 (``docs/fsdp.md``).
@@ -206,7 +215,7 @@ class BraceModule(pl.LightningModule):
         num_minibatches: int = 1,
         micro_batch_size: int | None = None,
         max_tokens_per_micro_batch: int | None = None,
-        pack_sequences: bool = False,
+        pack_sequences: bool = True,
         critic_warmup_steps: int = 5,
         max_grad_norm: float | None = 1.0,
         whiten_advantages: bool = True,
@@ -348,7 +357,7 @@ class BraceModule(pl.LightningModule):
 
     def configure_model(self) -> None:
         """Shard actor, critic (and the reference policy, if any) with FSDP2 under
-        ``ModelParallelStrategy`` (else nothing).
+        ``ModelParallelStrategy``; otherwise only turn on ``activation_checkpointing`` if asked.
 
         Idempotent: Lightning may call it more than once and a sharded model is left as it is.
         """
@@ -360,10 +369,8 @@ class BraceModule(pl.LightningModule):
                     f"{type(trainer.strategy).__name__}."
                 )
             if self.activation_checkpointing:
-                raise ValueError(
-                    "activation_checkpointing=True needs trainer.strategy ModelParallelStrategy "
-                    f"(FSDP2); got {type(trainer.strategy).__name__ if trainer else None}."
-                )
+                checkpoint_activations(self.actor)
+                checkpoint_activations(self.critic)
             return
         if self.ewma_actor is not None:
             raise ValueError(
@@ -687,13 +694,14 @@ class BraceModule(pl.LightningModule):
 
     def _packed(self) -> bool:
         """Whether this run's forwards use packed rows: ``pack_sequences`` and both the actor and
-        the critic can pack (``packing_problem``, checked at the first call; the EWMA and reference
-        actors are copies of the actor). If one cannot, one sentence is logged and every forward
-        keeps padded rows, so the token budget always counts what is computed."""
+        the critic can pack (``prepare_packing``, checked at the first call, which also moves SDPA
+        models to row-by-row attention; the EWMA and reference actors are copies of the actor and
+        attend like it). If one cannot, one sentence is logged and every forward keeps padded
+        rows, so the token budget always counts what is computed."""
         if self._packs is None:
             self._packs = self.pack_sequences
             for model in (self.actor, self.critic) if self.pack_sequences else ():
-                problem = packing_problem(model)
+                problem = prepare_packing(model)
                 if problem is not None:
                     rank_zero_warn(
                         f"pack_sequences=True: the {type(model).__name__} cannot run on packed "
@@ -701,6 +709,9 @@ class BraceModule(pl.LightningModule):
                     )
                     self._packs = False
                     break
+            for copy_ in (self.ewma_actor, self.reference_actor):  # attend like the actor
+                if copy_ is not None:
+                    copy_.config._attn_implementation = self.actor.config._attn_implementation
         return self._packs
 
     def _logprobs(

@@ -109,7 +109,12 @@ def test_every_recipe_parses(path: Path, monkeypatch: pytest.MonkeyPatch) -> Non
     recipe = yaml.safe_load(path.read_text())
     recipe.get("trainer", {}).pop("logger", None)
     stand_ins = cpu_stand_ins(recipe)
-    assert_contains(parsed_config(monkeypatch, path, *stand_ins), recipe)
+    parsed = parsed_config(monkeypatch, path, *stand_ins)
+    assert_contains(parsed, recipe)
+    # The long-response path by default: packed rows under a token budget (log-probs are chunked
+    # in every path that can).
+    assert parsed["model"]["pack_sequences"] is True
+    assert parsed["model"]["max_tokens_per_micro_batch"] is not None
 
 
 @pytest.mark.parametrize("path", OVERLAYS, ids=_ids(OVERLAYS))

@@ -16,14 +16,21 @@ from typing import Any
 import pytest
 import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, PretrainedConfig
+from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 import brace_lightning.module
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.packing import (
+    VARLEN_SDPA,
     pack_rows,
+    packed_forward,
     packed_token_logprobs,
     packed_values,
     packing_problem,
+    prepare_packing,
+    row_lengths,
+    use_varlen_attention,
+    varlen_sdpa_attention,
 )
 from brace_lightning.models.policy import load_causal_lm, tiny_qwen2_config, token_logprobs
 from brace_lightning.models.sources import TINY
@@ -44,7 +51,8 @@ def _batch(vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def _models() -> list[torch.nn.Module]:
+def _models(varlen: bool = False) -> list[torch.nn.Module]:
+    """A Qwen2- and a Llama-shaped tiny actor, on SDPA (``varlen``: on ``VARLEN_SDPA``)."""
     qwen = tiny_qwen2_config(
         97, hidden_size=64, num_heads=2, num_kv_heads=1, tie_word_embeddings=False
     )
@@ -57,7 +65,11 @@ def _models() -> list[torch.nn.Module]:
         num_key_value_heads=2,
         max_position_embeddings=64,
     )
-    return [load_causal_lm(qwen, seed=0), load_causal_lm(llama, seed=1)]
+    models = [load_causal_lm(qwen, seed=0), load_causal_lm(llama, seed=1)]
+    for model in models:
+        assert model.config._attn_implementation == "sdpa"
+        assert use_varlen_attention(model) if varlen else True
+    return models
 
 
 def test_pack_rows_restarts_positions():
@@ -68,9 +80,10 @@ def test_pack_rows_restarts_positions():
     assert packed[0, :9].tolist() == ids[0, -9:].tolist()
 
 
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa-mask", "varlen"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_packed_logprobs_and_gradients_equal_padded(temperature):
-    for model in _models():
+def test_packed_logprobs_and_gradients_equal_padded(temperature, varlen):
+    for model in _models(varlen):
         ids, mask = _batch(model.config.vocab_size)
         weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
         results = []
@@ -88,8 +101,9 @@ def test_packed_logprobs_and_gradients_equal_padded(temperature):
             torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_packed_values_and_gradients_equal_padded():
-    for actor in _models():
+@pytest.mark.parametrize("varlen", [False, True], ids=["sdpa-mask", "varlen"])
+def test_packed_values_and_gradients_equal_padded(varlen):
+    for actor in _models(varlen):
         critic = ValueModel.from_actor(actor, seed=3, head_init_std=0.1)
         ids, mask = _batch(actor.config.vocab_size)
         weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(2))
@@ -107,8 +121,78 @@ def test_packed_values_and_gradients_equal_padded():
             torch.testing.assert_close(g1[name], grad, rtol=1e-4, atol=1e-5, msg=name)
 
 
+def test_row_lengths_reads_the_restarts_like_transformers():
+    assert row_lengths(torch.tensor([[0, 1, 2, 0, 1, 0, 0, 1, 2, 3]])) == [3, 2, 1, 4]
+    assert row_lengths(torch.tensor([[5, 6, 7, 0]])) == [3, 1]  # a row need not start at 0
+    assert row_lengths(torch.arange(6)[None]) is None  # one row
+    assert row_lengths(torch.tensor([[0, 1, 0], [0, 1, 0]])) is None  # a batch: not packed
+    assert row_lengths(torch.tensor([[0]])) is None
+
+
+def test_varlen_attention_runs_each_packed_row_alone_without_a_mask(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a packed row the VARLEN_SDPA model calls SDPA once per original row, causal and with no
+    mask (no ``N × N`` mask is built); padded rows and generation still get SDPA's mask."""
+    model = _models(varlen=True)[0]
+    ids, mask = _batch(model.config.vocab_size)
+    calls: list[tuple[int, bool]] = []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, *args: Any, attn_mask: Any = None, **kwargs: Any) -> Any:
+        calls.append((query.shape[2], attn_mask is None))
+        return sdpa(query, *args, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    packed_token_logprobs(model, ids, mask)
+    layers = model.config.num_hidden_layers
+    assert calls == [(n, True) for n in (9, 3, 1, 12)] * layers
+    calls.clear()
+    token_logprobs(model, ids, mask)  # left padding: the mask SDPA always had
+    assert calls == [(12, False)] * layers
+    calls.clear()
+    with packed_forward():  # a packed call whose positions do not restart is one causal row
+        varlen_sdpa_attention(
+            model.model.layers[0].self_attn,
+            *(torch.randn(1, 2, 5, 32) for _ in range(3)),
+            None,
+            position_ids=torch.arange(5)[None],
+        )
+    assert calls == [(5, True)]
+
+
+def test_use_varlen_attention_switches_sdpa_only():
+    actor, llama = _models()
+    critic = ValueModel.from_actor(actor)
+    assert use_varlen_attention(actor) and actor.config._attn_implementation == VARLEN_SDPA
+    assert use_varlen_attention(critic) and critic.backbone.config._attn_implementation == (
+        VARLEN_SDPA
+    )
+    assert use_varlen_attention(actor)  # idempotent
+    llama.config._attn_implementation = "eager"
+    assert not use_varlen_attention(llama) and llama.config._attn_implementation == "eager"
+    assert "_attn_implementation" not in actor.config.to_json_string()  # never saved with it
+
+
+def test_prepare_packing_keeps_varlen_only_where_it_is_right():
+    for model in _models():
+        assert prepare_packing(model) is None
+        assert model.config._attn_implementation == VARLEN_SDPA
+    # Falcon's own code branches on the name "sdpa": with VARLEN_SDPA its packed forward fails,
+    # so it goes back to SDPA, whose mask it ignores (it cannot pack at all).
+    falcon = load_causal_lm(
+        FalconConfig(vocab_size=89, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
+        seed=0,
+    )
+    assert use_varlen_attention(falcon)
+    assert packing_problem(falcon).startswith("a packed forward failed (TypeError: ")
+    falcon.config._attn_implementation = "sdpa"
+    assert "packed rows do not match the rows run one by one" in prepare_packing(falcon)
+    assert falcon.config._attn_implementation == "sdpa"
+
+
 def test_packing_problem_passes_qwen2_and_llama_actors_and_critics():
-    for actor in _models():
+    for actor in [*_models(), *_models(varlen=True)]:
         for model in (actor.train(), ValueModel.from_actor(actor)):
             assert packing_problem(model) is None, type(model).__name__
             assert model.training  # the probe runs in eval mode, then restores the mode
@@ -170,7 +254,11 @@ def _train(source: str, **kwargs: Any) -> tuple[dict[str, dict], dict[str, float
     if module.reference_actor is not None:
         perturbed_reference(module)
     metrics = fit_steps(module, fixed_batch(), steps=1)
-    assert module._packs is kwargs.get("pack_sequences", False)
+    assert module._packs is kwargs.get("pack_sequences", True)
+    if module._packs:  # every SDPA model of the run attends row by row on packed rows
+        copies = [m for m in (module.ewma_actor, module.reference_actor) if m is not None]
+        for model in (module.actor, module.critic.backbone, *copies):
+            assert model.config._attn_implementation == VARLEN_SDPA
     return {"actor": weights(module.actor), "critic": weights(module.critic)}, metrics
 
 
@@ -186,7 +274,7 @@ def test_a_packed_training_step_equals_the_padded_one(
     extra: dict[str, Any] = {}
     if shape == "qwen2":
         extra = {"actor_objective": PPOEWMA(ewma_decay=0.5), "kl_coef": 0.05}
-    padded, padded_metrics = _train(source, **extra)
+    padded, padded_metrics = _train(source, pack_sequences=False, **extra)
     assert padded_metrics["actor/grad_norm"] > 0 and padded_metrics["critic/grad_norm"] > 0
 
     def padded_call(*args: Any, **kwargs: Any) -> Any:
@@ -213,6 +301,32 @@ def test_a_packed_training_step_equals_the_padded_one(
         assert packed_metrics[key] == pytest.approx(padded_metrics[key], rel=1e-5, abs=1e-6), key
 
 
+def test_activation_checkpointing_recomputes_packed_rows_to_the_same_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without FSDP2, ``activation_checkpointing`` reruns every decoder block in the backward
+    pass (row-by-row attention again, from the saved position ids) and ends at the weights of the
+    padded step without it."""
+    padded, _ = _train(TINY, pack_sequences=False)
+    calls: list[int] = []
+    forward = Qwen2DecoderLayer.forward
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(Qwen2DecoderLayer, "forward", counting)
+    runs = {}
+    for checkpointed in (False, True):
+        calls.clear()
+        runs[checkpointed], _ = _train(TINY, activation_checkpointing=checkpointed)
+        runs[checkpointed]["calls"] = len(calls)
+    assert runs[True]["calls"] > runs[False]["calls"]  # the recompute
+    for name in ("actor", "critic"):
+        for key, value in runs[True][name].items():
+            torch.testing.assert_close(value, padded[name][key], rtol=1e-5, atol=1e-5, msg=key)
+
+
 def _recording_forward(
     critic: ValueModel,
     calls: list[bool],
@@ -234,7 +348,7 @@ def test_a_model_that_cannot_pack_trains_on_padded_rows_after_one_sentence(
         tmp_path,
         FalconConfig(vocab_size=vocab, hidden_size=32, num_hidden_layers=2, num_attention_heads=4),
     )
-    padded, _ = _train(falcon)
+    padded, _ = _train(falcon, pack_sequences=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         module = sgd_module(actor=falcon, num_minibatches=2, pack_sequences=True)
@@ -246,6 +360,7 @@ def test_a_model_that_cannot_pack_trains_on_padded_rows_after_one_sentence(
     ]
     assert sentences[0].endswith("); every forward uses padded rows.")
     assert module._packs is False
+    assert module.actor.config._attn_implementation == "sdpa"
     for name, model in (("actor", module.actor), ("critic", module.critic)):
         for key, value in weights(model).items():
             assert torch.equal(value, padded[name][key]), key
@@ -272,3 +387,36 @@ def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() 
     table = {line.split(" | ")[0]: line.split(" | ")[1:3] for line in lines if "budget" in line}
     assert table["| sorted, 96 padded-token budget, chunked"] == ["3", "184"]
     assert table["| sorted, 96 real-token budget, packed, chunked"] == ["3", "170"]
+
+
+@pytest.mark.slow
+def test_the_train_step_benchmark_times_padded_and_both_packed_attentions() -> None:
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.train_step",
+            "--packing",
+            "--steps",
+            "2",
+            "--repeats",
+            "1",
+        ],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][2:]
+    assert [row.split(" | ")[0] for row in rows] == [
+        "| padded",
+        "| packed, row-by-row SDPA",
+        "| packed, dense N × N mask",
+    ], done.stdout
+    assert rows[0].endswith("| 1.00 |")
+    for row in rows:
+        step, update, forward, ratio = (float(x) for x in row.strip("| ").split(" | ")[1:])
+        assert step > 0 and update > 0 and forward > 0 and ratio > 0

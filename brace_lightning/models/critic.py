@@ -181,3 +181,8 @@ class ValueModel(nn.Module):
         if attention_mask is None:
             return values.clone()  # not a view of the head's output (FSDP2 warns about views)
         return torch.where(attention_mask.bool(), values, torch.zeros_like(values))
+
+
+def transformer_of(model: nn.Module) -> nn.Module:
+    """The transformer (Hugging Face base model) of a causal LM or of a :class:`ValueModel`."""
+    return model.backbone if isinstance(model, ValueModel) else model.base_model

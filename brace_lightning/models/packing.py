@@ -18,22 +18,129 @@ runs the model once on two short rows, packed and one by one, and compares the f
 from __future__ import annotations
 
 import inspect
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from brace_lightning.models.chunked import (
     chunked_head_logprobs,
     final_hidden_states,
     linear_lm_head,
 )
-from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.critic import ValueModel, transformer_of
 from brace_lightning.models.policy import DEFAULT_CHUNK_SIZE, position_ids_from_attention_mask
 
 #: A packed probe row passes when its distance to the rows run one by one is at most this fraction
 #: of the distance that attention across the two rows produces (round-off is far below it).
 PROBE_TOLERANCE = 0.1
+
+#: The attention implementation :func:`use_varlen_attention` gives an SDPA model: SDPA run row by
+#: row over a packed row (attention costs ``Σ nᵢ²``, and no ``N × N`` mask is built), plain SDPA
+#: for every other call.
+VARLEN_SDPA = "sdpa_varlen"
+
+#: True while :func:`packed_token_logprobs` / :func:`packed_values` run a packed row.
+_PACKED_FORWARD: ContextVar[bool] = ContextVar("packed_forward", default=False)
+
+
+@contextmanager
+def packed_forward() -> Iterator[None]:
+    """Mark the forwards inside as packed rows (``position_ids`` restart at every original row, no
+    attention mask), so that a :data:`VARLEN_SDPA` model builds no block-diagonal mask."""
+    token = _PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _PACKED_FORWARD.reset(token)
+
+
+def _varlen_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
+    """:data:`VARLEN_SDPA`'s mask: none for a packed row (the attention splits it), else SDPA's."""
+    return None if _PACKED_FORWARD.get() else sdpa_mask(*args, **kwargs)
+
+
+def row_lengths(position_ids: torch.Tensor) -> list[int] | None:
+    """The lengths of the rows packed into ``[1, N]`` position ids (a new row wherever the position
+    does not follow on by 1, as transformers reads them); None for one row or a batch of rows."""
+    if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
+        return None
+    starts = (position_ids[0, 1:] != position_ids[0, :-1] + 1).nonzero().flatten() + 1
+    if starts.numel() == 0:
+        return None
+    bounds = [0, *starts.tolist(), position_ids.shape[1]]
+    return [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+
+
+def varlen_sdpa_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' SDPA attention, run on each row of a packed row separately.
+
+    A call with no mask, one ``[1, N]`` query as long as its keys and ``position_ids`` that restart
+    (a packed training row) is split at the restarts and each row attends causally to itself, as
+    flash-attention's varlen kernels do; any other call (padded rows, generation with a cache) is
+    plain ``sdpa_attention_forward``.
+    """
+    position_ids = kwargs.get("position_ids")
+    lengths = None
+    if attention_mask is None and position_ids is not None and query.shape[2] == key.shape[2]:
+        lengths = row_lengths(position_ids)
+    if lengths is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    outputs = [
+        sdpa_attention_forward(module, q, k, v, None, **kwargs)[0]
+        for q, k, v in zip(
+            query.split(lengths, dim=2),
+            key.split(lengths, dim=2),
+            value.split(lengths, dim=2),
+            strict=True,
+        )
+    ]
+    return torch.cat(outputs, dim=1), None  # [1, N, heads, head_dim]
+
+
+ALL_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, varlen_sdpa_attention)
+ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa_mask)
+
+
+def use_varlen_attention(model: nn.Module) -> bool:
+    """Switch ``model`` (a causal LM or a ValueModel) from ``sdpa`` to :data:`VARLEN_SDPA`, which
+    gives the same numbers on every call and runs packed rows without an ``N × N`` mask. Other
+    implementations (flash-attention varlen kernels, eager, flex) are left alone. Returns whether
+    the model now uses it."""
+    config = transformer_of(model).config
+    if config._attn_implementation == "sdpa":
+        config._attn_implementation = VARLEN_SDPA
+    return config._attn_implementation == VARLEN_SDPA
+
+
+def prepare_packing(model: nn.Module) -> str | None:
+    """Ready ``model`` for packed rows and say whether it can run them (:func:`packing_problem`).
+
+    An SDPA model is switched to :data:`VARLEN_SDPA` when its packed rows are right that way;
+    a model whose own code reads the implementation's name (Falcon branches on ``"sdpa"``) is
+    switched back and checked with SDPA's block-diagonal mask.
+    """
+    config = transformer_of(model).config
+    before = config._attn_implementation
+    if use_varlen_attention(model):
+        problem = packing_problem(model)
+        if problem is None or before == VARLEN_SDPA:
+            return problem
+        config._attn_implementation = before
+    return packing_problem(model)
 
 
 def pack_rows(
@@ -94,7 +201,8 @@ def packed_token_logprobs(
             f"{type(model.get_output_embeddings()).__name__}; expected a plain nn.Linear LM head."
         )
     packed_ids, positions = pack_rows(input_ids, attention_mask)
-    hidden = final_hidden_states(model, input_ids=packed_ids, position_ids=positions)[0]  # [N, H]
+    with packed_forward():
+        hidden = final_hidden_states(model, input_ids=packed_ids, position_ids=positions)[0]
     scored = positions[0, 1:] != 0  # the next token belongs to the same row
     picked, ent = chunked_head_logprobs(
         hidden[:-1][scored],
@@ -119,7 +227,8 @@ def packed_values(
     """The critic's ``[B, T]`` values (as ``critic(input_ids, attention_mask)``) computed on the
     packed rows: one backbone pass over the real tokens with per-row position ids, no mask."""
     packed_ids, positions = pack_rows(input_ids, attention_mask)
-    values = critic(packed_ids, position_ids=positions)[0]  # [N]
+    with packed_forward():
+        values = critic(packed_ids, position_ids=positions)[0]  # [N]
     return unpack_rows(values, attention_mask)
 
 
@@ -141,7 +250,7 @@ def packing_problem(model: nn.Module) -> str | None:
         One clause naming the reason, or None.
     """
     critic = isinstance(model, ValueModel)
-    base = model.backbone if critic else model.base_model
+    base = transformer_of(model)
     if "position_ids" not in inspect.signature(base.forward).parameters:
         return f"{type(base).__name__}.forward takes no position_ids"
     attention = getattr(base.config, "_attn_implementation", None)
@@ -172,8 +281,11 @@ def packing_problem(model: nn.Module) -> str | None:
     try:
         with torch.no_grad():
             alone = hidden(ids[:, 4:], restart[:, 4:]).float()
-            packed = hidden(ids, restart)[4:].float()
+            with packed_forward():
+                packed = hidden(ids, restart)[4:].float()
             joined = hidden(ids, torch.arange(10, device=device)[None])[4:].float()
+    except (RuntimeError, TypeError, ValueError) as error:  # modelling code that cannot run it
+        return f"a packed forward failed ({type(error).__name__}: {error})"
     finally:
         model.train(training)
     packed_error = float((packed - alone).norm())

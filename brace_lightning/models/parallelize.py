@@ -3,7 +3,8 @@
 :func:`parallelize` shards every transformer block of a model with
 :func:`torch.distributed.fsdp.fully_shard`, then the root (embeddings, final norm, LM or value
 head), over the data-parallel dimension of a device mesh. Activation checkpointing, when asked for,
-wraps each block before it is sharded. Calling it again on a sharded model changes nothing, so
+wraps each block before it is sharded (without FSDP2, :func:`checkpoint_activations` uses
+transformers' gradient checkpointing of the same blocks). Calling it again on a sharded model changes nothing, so
 Lightning's ``configure_model`` may run more than once.
 
 The rollout engines need plain, unsharded weights: :func:`full_state_dict` gathers a sharded model's
@@ -37,7 +38,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.critic import ValueModel, transformer_of
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, MIB, gathered_buckets
 
@@ -164,6 +165,31 @@ def parallelize(
         fp32 = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
         fully_shard(model.value_head, mesh=dp_mesh, mp_policy=fp32, offload_policy=offload)
     fully_shard(model, mesh=dp_mesh, mp_policy=policy, offload_policy=offload)
+    return model
+
+
+def checkpoint_activations(model: nn.Module) -> nn.Module:
+    """Recompute each transformer block's activations in the backward pass of an unsharded model
+    (single device, DDP): transformers' own gradient checkpointing of its decoder layers,
+    non-reentrant, so parameter names, state dicts and the engines' weights are unchanged. Under
+    FSDP2, :func:`parallelize` wraps the blocks instead.
+
+    Args:
+        model: a Hugging Face causal LM (the actor) or a :class:`ValueModel` (the critic).
+
+    Returns:
+        ``model`` itself (calling it again changes nothing).
+
+    Raises:
+        ValueError: when the model's transformers class has no gradient checkpointing.
+    """
+    base = transformer_of(model)
+    if not getattr(base, "supports_gradient_checkpointing", False):
+        raise ValueError(
+            f"activation_checkpointing=True got a {type(base).__name__}, which has no gradient "
+            "checkpointing in transformers; expected a decoder that supports it (or FSDP2)."
+        )
+    base.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return model
 
 

@@ -151,8 +151,10 @@ def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tens
 
 
 #: Positions per chunk of :func:`token_logprobs`' chunked path: peak extra memory is a few
-#: ``[DEFAULT_CHUNK_SIZE, V]`` float32 blocks (about 0.6 GB each at V = 151,936).
-DEFAULT_CHUNK_SIZE = 1024
+#: ``[DEFAULT_CHUNK_SIZE, V]`` float32 blocks (about 0.16 GB each at V = 151,936). 256 rather than
+#: 1024: at the Qwen2.5-0.5B shape and T = 4096 it peaks 5.0× below the full path (1024: 3.7×) in
+#: 1.01× its time (1024: 0.96×; docs/benchmarks.md).
+DEFAULT_CHUNK_SIZE = 256
 
 
 def token_logprobs(
