@@ -109,18 +109,26 @@ def packing_table(steps: int, repeats: int, root: Path) -> None:
             update_ms[case] += times["time/update_ms"]
             forward_ms[case] += times["time/old_forward_ms"]
     padded = statistics.median(step_s["padded"])
-    print(
-        f"quickstart model (BRACE), {repeats} runs × {steps - 1} timed steps per case, "
-        f"threads={torch.get_num_threads()}; medians\n"
-    )
-    print("| micro-batches | step s | PPO update ms | scoring forwards ms | step × padded |")
-    print("|---|---|---|---|---|")
+    rows = []
     for case in PACKING_CASES:
         step = statistics.median(step_s[case])
-        print(
-            f"| {case} | {step:.3f} | {statistics.median(update_ms[case]):.0f} | "
-            f"{statistics.median(forward_ms[case]):.0f} | {step / padded:.2f} |"
+        update, forward = statistics.median(update_ms[case]), statistics.median(forward_ms[case])
+        rows.append(
+            [case, f"{step:.3f}", f"{update:.0f}", f"{forward:.0f}", f"{step / padded:.2f}"]
         )
+    print_table(
+        f"quickstart model (BRACE), {repeats} runs × {steps - 1} timed steps per case, "
+        f"threads={torch.get_num_threads()}; medians",
+        ["micro-batches", "step s", "PPO update ms", "scoring forwards ms", "step × padded"],
+        rows,
+    )
+
+
+def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
+    """``title``, a blank line, then a markdown table."""
+    print(f"{title}\n")
+    for cells in (header, ["---"] * len(header), *rows):
+        print(f"| {' | '.join(cells)} |")
 
 
 def main() -> None:
@@ -149,19 +157,20 @@ def main() -> None:
                 target_ms[target] += times["time/value_target_ms"]
     gae_step = statistics.median(step_s["gae"])
     gae_target = statistics.median(target_ms["gae"]) / 1e3
-    print(
-        f"quickstart model, {args.repeats} runs × {args.steps - 1} timed steps per target, "
-        f"threads={args.threads}; medians\n"
-    )
-    print("| value target | step s | value target ms | share of step | overhead vs GAE |")
-    print("|---|---|---|---|---|")
+    rows = []
     for target in TARGETS:
         step = statistics.median(step_s[target])
         vt = statistics.median(target_ms[target]) / 1e3
-        print(
-            f"| {target} | {step:.3f} | {vt * 1e3:.2f} | {vt / step:.3%} | "
-            f"{(vt - gae_target) / gae_step:+.3%} |"
+        overhead = (vt - gae_target) / gae_step
+        rows.append(
+            [target, f"{step:.3f}", f"{vt * 1e3:.2f}", f"{vt / step:.3%}", f"{overhead:+.3%}"]
         )
+    print_table(
+        f"quickstart model, {args.repeats} runs × {args.steps - 1} timed steps per target, "
+        f"threads={args.threads}; medians",
+        ["value target", "step s", "value target ms", "share of step", "overhead vs GAE"],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -366,19 +366,24 @@ def test_a_model_that_cannot_pack_trains_on_padded_rows_after_one_sentence(
             assert torch.equal(value, padded[name][key]), key
 
 
-@pytest.mark.slow
-def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() -> None:
+def _benchmark(name: str, *args: str) -> subprocess.CompletedProcess[str]:
+    """``python -m benchmarks.<name> args`` from the repository root; fails on a non-zero exit."""
     root = Path(__file__).resolve().parents[1]
-    quick = "--layers 1 --vocab 1000 --lengths 16 --rows 4 --batch-lengths 8 64 --max-tokens 96"
-    done = subprocess.run(
-        [sys.executable, "-m", "benchmarks.long_responses", *quick.split(), "--repeats", "1"],
+    return subprocess.run(
+        [sys.executable, "-m", f"benchmarks.{name}", *args],
         cwd=root,
         env={**os.environ, "PYTHONPATH": str(root)},
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=600,
         check=True,
     )
+
+
+@pytest.mark.slow
+def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() -> None:
+    quick = "--layers 1 --vocab 1000 --lengths 16 --rows 4 --batch-lengths 8 64 --max-tokens 96"
+    done = _benchmark("long_responses", *quick.split(), "--repeats", "1")
     lines = done.stdout.splitlines()
     assert any(line.startswith("| 16 | chunked |") for line in lines), done.stdout
     assert "4 responses, log-uniform 8..64 (seed 0): 170 tokens, longest 60" in done.stdout
@@ -391,25 +396,7 @@ def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() 
 
 @pytest.mark.slow
 def test_the_train_step_benchmark_times_padded_and_both_packed_attentions() -> None:
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "benchmarks.train_step",
-            "--packing",
-            "--steps",
-            "2",
-            "--repeats",
-            "1",
-        ],
-        cwd=root,
-        env={**os.environ, "PYTHONPATH": str(root)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=True,
-    )
+    done = _benchmark("train_step", "--packing", "--steps", "2", "--repeats", "1")
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][2:]
     assert [row.split(" | ")[0] for row in rows] == [
         "| padded",
