@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from transformers import BloomConfig, FalconConfig, LlamaConfig, PretrainedConfig
+from transformers import BloomConfig, FalconConfig, LlamaConfig, MistralConfig, PretrainedConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
 import brace_lightning.module
@@ -172,6 +172,21 @@ def test_use_varlen_attention_switches_sdpa_only():
     llama.config._attn_implementation = "eager"
     assert not use_varlen_attention(llama) and llama.config._attn_implementation == "eager"
     assert "_attn_implementation" not in actor.config.to_json_string()  # never saved with it
+    # A sliding window stays with SDPA's mask, which keeps it (row-by-row attention would not).
+    mistral = load_causal_lm(
+        MistralConfig(
+            vocab_size=89,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=3,
+        ),
+        seed=0,
+    )
+    assert not use_varlen_attention(mistral) and mistral.config._attn_implementation == "sdpa"
+    assert prepare_packing(mistral) is None  # it still packs, with the dense windowed mask
 
 
 def test_prepare_packing_keeps_varlen_only_where_it_is_right():

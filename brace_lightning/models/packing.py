@@ -118,10 +118,15 @@ ALL_MASK_ATTENTION_FUNCTIONS.register(VARLEN_SDPA, _varlen_sdpa_mask)
 def use_varlen_attention(model: nn.Module) -> bool:
     """Switch ``model`` (a causal LM or a ValueModel) from ``sdpa`` to :data:`VARLEN_SDPA`, which
     gives the same numbers on every call and runs packed rows without an ``N × N`` mask. Other
-    implementations (flash-attention varlen kernels, eager, flex) are left alone. Returns whether
-    the model now uses it."""
+    implementations (flash-attention varlen kernels, eager, flex) are left alone, and so is a model
+    with a sliding attention window (Mistral, Gemma 2/3): the row-by-row attention is causal over
+    the whole row, while SDPA's mask keeps the window. Returns whether the model now uses it."""
     config = transformer_of(model).config
-    if config._attn_implementation == "sdpa":
+    text = config.get_text_config()
+    windowed = getattr(text, "sliding_window", None) is not None and getattr(
+        text, "use_sliding_window", True
+    )
+    if config._attn_implementation == "sdpa" and not windowed:
         config._attn_implementation = VARLEN_SDPA
     return config._attn_implementation == VARLEN_SDPA
 
