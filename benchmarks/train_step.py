@@ -90,11 +90,15 @@ PACKING_CASES = {
 }
 
 
+#: The series ``--packing`` collects per case: the step's wall seconds and two logged timings.
+PACKING_SERIES = ("step", "time/update_ms", "time/old_forward_ms")
+
+
 def packing_table(steps: int, repeats: int, root: Path) -> None:
     """Print the step, update and scoring-forward medians of :data:`PACKING_CASES`."""
-    step_s: dict[str, list[float]] = {case: [] for case in PACKING_CASES}
-    update_ms: dict[str, list[float]] = {case: [] for case in PACKING_CASES}
-    forward_ms: dict[str, list[float]] = {case: [] for case in PACKING_CASES}
+    series: dict[str, dict[str, list[float]]] = {
+        case: {key: [] for key in PACKING_SERIES} for case in PACKING_CASES
+    }
     for _ in range(repeats):
         for index, (case, (extra, dense)) in enumerate(PACKING_CASES.items()):
             with ExitStack() as stack:
@@ -105,17 +109,22 @@ def packing_table(steps: int, repeats: int, root: Path) -> None:
                         )
                     )
                 seconds, times = one_run("brace", steps, root, extra, name=f"packing{index}")
-            step_s[case] += seconds
-            update_ms[case] += times["time/update_ms"]
-            forward_ms[case] += times["time/old_forward_ms"]
-    padded = statistics.median(step_s["padded"])
-    rows = []
-    for case in PACKING_CASES:
-        step = statistics.median(step_s[case])
-        update, forward = statistics.median(update_ms[case]), statistics.median(forward_ms[case])
-        rows.append(
-            [case, f"{step:.3f}", f"{update:.0f}", f"{forward:.0f}", f"{step / padded:.2f}"]
-        )
+            for key in PACKING_SERIES:
+                series[case][key] += seconds if key == "step" else times[key]
+    medians = {
+        case: {key: statistics.median(values) for key, values in columns.items()}
+        for case, columns in series.items()
+    }
+    rows = [
+        [
+            case,
+            f"{median['step']:.3f}",
+            f"{median['time/update_ms']:.0f}",
+            f"{median['time/old_forward_ms']:.0f}",
+            f"{median['step'] / medians['padded']['step']:.2f}",
+        ]
+        for case, median in medians.items()
+    ]
     print_table(
         f"quickstart model (BRACE), {repeats} runs × {steps - 1} timed steps per case, "
         f"threads={torch.get_num_threads()}; medians",

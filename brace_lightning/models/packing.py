@@ -26,7 +26,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    find_packed_sequence_indices,
+    sdpa_mask,
+)
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from brace_lightning.models.chunked import (
@@ -67,15 +71,15 @@ def _varlen_sdpa_mask(*args: Any, **kwargs: Any) -> torch.Tensor | None:
 
 
 def row_lengths(position_ids: torch.Tensor) -> list[int] | None:
-    """The lengths of the rows packed into ``[1, N]`` position ids (a new row wherever the position
-    does not follow on by 1, as transformers reads them); None for one row or a batch of rows."""
+    """The lengths of the rows packed into ``[1, N]`` position ids, split where transformers'
+    packed-sequence masks split them (``find_packed_sequence_indices``: wherever the position does
+    not follow on by 1); None for one row or a batch of rows."""
     if position_ids.dim() != 2 or position_ids.shape[0] != 1 or position_ids.shape[1] < 2:
         return None
-    starts = (position_ids[0, 1:] != position_ids[0, :-1] + 1).nonzero().flatten() + 1
-    if starts.numel() == 0:
+    row_of_token = find_packed_sequence_indices(position_ids)
+    if row_of_token is None:
         return None
-    bounds = [0, *starts.tolist(), position_ids.shape[1]]
-    return [end - start for start, end in zip(bounds[:-1], bounds[1:], strict=True)]
+    return torch.bincount(row_of_token[0]).tolist()
 
 
 def varlen_sdpa_attention(
