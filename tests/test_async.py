@@ -621,6 +621,10 @@ def trainer_with_producer(args: list[str], **popen: Any) -> Iterator[tuple[subpr
     on exit if still alive."""
     code = (
         "import faulthandler, signal, torch; torch.set_num_threads(1)\n"
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal's foreground job, even when the suite
+        # itself was started in the background (``cmd &`` in a script): such a shell ignores
+        # SIGINT for it, every child inherits that, and Python then installs no handler
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
         # a hung child shows where its threads are (see ``stack_dump``)
         "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "from brace_lightning.cli import run\n"
