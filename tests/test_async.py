@@ -620,7 +620,13 @@ def trainer_with_producer(args: list[str], **popen: Any) -> Iterator[tuple[subpr
     producer's PID, printed by :class:`PrintProducerPid` after the first batch; both are killed
     on exit if still alive."""
     code = (
-        "import torch; torch.set_num_threads(1)\n"
+        "import faulthandler, signal, torch; torch.set_num_threads(1)\n"
+        # Ctrl-C raises KeyboardInterrupt, as in a terminal's foreground job, even when the suite
+        # itself was started in the background (``cmd &`` in a script): such a shell ignores
+        # SIGINT for it, every child inherits that, and Python then installs no handler
+        "signal.signal(signal.SIGINT, signal.default_int_handler)\n"
+        # a hung child shows where its threads are (see ``stack_dump``)
+        "faulthandler.register(signal.SIGUSR1, all_threads=True)\n"
         "from brace_lightning.cli import run\n"
         f"run({args!r})\n"
     )
@@ -651,6 +657,16 @@ def trainer_with_producer(args: list[str], **popen: Any) -> Iterator[tuple[subpr
             os.kill(pid, signal.SIGKILL)
 
 
+def stack_dump(process: subprocess.Popen) -> str:
+    """The last output of a hung :func:`trainer_with_producer` child, ending with the stacks of
+    all its threads (faulthandler on SIGUSR1); the child is killed."""
+    process.send_signal(signal.SIGUSR1)
+    time.sleep(2.0)
+    process.kill()
+    rest, _ = process.communicate()
+    return rest[-6000:]
+
+
 @pytest.mark.slow
 def test_ctrl_c_stops_the_producer_process(tmp_path):
     args = small_run(
@@ -663,7 +679,10 @@ def test_ctrl_c_stops_the_producer_process(tmp_path):
     # its own process group, like a terminal's foreground job
     with trainer_with_producer(args, start_new_session=True) as (process, pid):
         os.killpg(process.pid, signal.SIGINT)  # Ctrl-C reaches every process of the group
-        rest, _ = process.communicate(timeout=60)
+        try:
+            rest, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the trainer did not exit within 60 s of Ctrl-C:\n{stack_dump(process)}")
         assert process.returncode == 1, rest[-2000:]
         assert "Detected KeyboardInterrupt" in rest
         deadline = time.monotonic() + 5
