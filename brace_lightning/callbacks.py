@@ -21,6 +21,7 @@ from brace_lightning.models.warmstart import (
     copy_backbone_to_critic,
     supervised_warm_start,
 )
+from brace_lightning.seeds import run_seed
 
 
 class SupervisedWarmStart(pl.Callback):
@@ -36,7 +37,8 @@ class SupervisedWarmStart(pl.Callback):
         batch_size: pairs per step.
         lr: peak learning rate (AdamW, warmup then cosine decay).
         copy_to_critic: re-initialise the critic's backbone from the warm-started actor.
-        seed: seed of the pair draw and the batch order.
+        seed: seed of the pair draw and the batch order (None: the run's ``seed_everything``, see
+            ``brace_lightning.seeds``).
     """
 
     def __init__(
@@ -47,7 +49,7 @@ class SupervisedWarmStart(pl.Callback):
         batch_size: int = 64,
         lr: float = 3e-3,
         copy_to_critic: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
     ) -> None:
         for name, value in (("num_pairs", num_pairs), ("steps", steps), ("batch_size", batch_size)):
             require_int(name, value, 1)
@@ -58,7 +60,7 @@ class SupervisedWarmStart(pl.Callback):
         self.batch_size = batch_size
         self.lr = lr
         self.copy_to_critic = copy_to_critic
-        self.seed = seed
+        self.seed = run_seed(seed)
         self.done = False
         self.final_loss: float | None = None
 

@@ -91,6 +91,7 @@ from brace_lightning.models.weight_sync import (
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.seeds import run_seed
 from brace_lightning.step_metrics import (
     DUPLICATE_INFO,
     log_sample_completions,
@@ -166,7 +167,8 @@ class BraceModule(pl.LightningModule):
         whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
         tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
         tiny_num_layers: depth of the ``"tiny-char"`` model.
-        seed: seed of the tiny model's initialisation and of the minibatch shuffling.
+        seed: seed of the tiny model's initialisation and of the minibatch shuffling (None: the
+            run's ``seed_everything``, see ``brace_lightning.seeds``).
         activation_checkpointing: recompute each transformer block's activations of the actor
             and the critic in the backward pass (less memory, one more forward): blocks wrapped
             before sharding under ``ModelParallelStrategy`` (FSDP2), transformers' gradient
@@ -221,7 +223,7 @@ class BraceModule(pl.LightningModule):
         whiten_advantages: bool = True,
         tiny_hidden_size: int = 128,
         tiny_num_layers: int = 2,
-        seed: int = 0,
+        seed: int | None = None,
         activation_checkpointing: bool = False,
         fsdp_mixed_precision: str = "auto",
         fsdp_cpu_offload: bool = False,
@@ -264,6 +266,7 @@ class BraceModule(pl.LightningModule):
         actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
         critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
         self.save_hyperparameters()
+        self.seed = seed = run_seed(seed)  # hparams keep None: the seed follows seed_everything
         objects = {
             name: to_config(self.hparams[name])
             for name in ("value_target", "actor_objective", "critic_loss")

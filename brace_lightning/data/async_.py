@@ -84,6 +84,7 @@ from brace_lightning.rollout.workers import (
     decode_batch,
     portable_factory,
 )
+from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import PromptSource, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
@@ -130,7 +131,8 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         producer_threads: torch threads of a producer process.
         producer_timeout: seconds without a heartbeat (one per decoding step, and while idle) after
             which a producer the trainer waits on is declared hung and an error is raised.
-        seed: seed of the prompt draws.
+        seed: seed of the prompt draws (None: the run's ``seed_everything``, see
+            ``brace_lightning.seeds``).
         val_batches: rollout batches per validation pass, generated in the training process with
             the current weights (not by the producer); 0 = no validation.
         max_consecutive_empty_batches: a batch with no sample left to train on (all dropped) is
@@ -153,7 +155,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         producer: Literal["process", "thread"] = "process",
         producer_threads: int = 1,
         producer_timeout: float = 300.0,
-        seed: int = 0,
+        seed: int | None = None,
         val_batches: int = 0,
         max_consecutive_empty_batches: int = 10,
     ) -> None:
@@ -194,7 +196,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self.producer = producer
         self.producer_threads = producer_threads
         self.producer_timeout = float(producer_timeout)
-        self.seed = seed
+        self.seed = seed = run_seed(seed)
         self.val_batches = val_batches
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer)
         self.buffer = StalenessBuffer(max_staleness)

@@ -35,6 +35,7 @@ from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
 from brace_lightning.rollout.multiturn import check_reward_or_env, collect_batch
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import PromptSource, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
@@ -137,7 +138,8 @@ class RolloutDataModule(pl.LightningDataModule):
         lag: the engine samples with the weights of exactly ``lag`` versions ago (0 = on-policy).
         max_staleness: rows older than this many versions when consumed are dropped; None = no
             bound. Must be >= ``lag`` (else every batch would be dropped).
-        seed: seed of the prompt draws.
+        seed: seed of the prompt draws (None: the run's ``seed_everything``, see
+            ``brace_lightning.seeds``).
         val_batches: rollout batches per validation pass (``validate``, and during ``fit`` every
             ``trainer.check_val_every_n_epoch``), sampled with the current weights from the same
             fixed prompts each time; 0 = no validation.
@@ -157,7 +159,7 @@ class RolloutDataModule(pl.LightningDataModule):
         samples_per_prompt: int = 4,
         lag: int = 0,
         max_staleness: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         val_batches: int = 0,
         max_consecutive_empty_batches: int = 10,
     ) -> None:
@@ -187,7 +189,7 @@ class RolloutDataModule(pl.LightningDataModule):
         self.samples_per_prompt = samples_per_prompt
         self.lag = lag
         self.max_staleness = max_staleness
-        self.seed = seed
+        self.seed = seed = run_seed(seed)
         self.val_batches = val_batches
         self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer)
         self.engine: RolloutEngine | None = None

