@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from torch import nn
+from transformers import OPTConfig
 
 from brace_lightning.models.chunked import chunked_head_logprobs, linear_lm_head
 from brace_lightning.models.policy import load_causal_lm, tiny_qwen2_config, token_logprobs
@@ -57,6 +58,35 @@ def test_chunked_values_and_gradients_equal_full_path(actor, temperature, chunk_
     for name, grad in full[2].items():
         torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
     actor.zero_grad(set_to_none=True)
+
+
+def test_a_head_fed_outside_the_base_models_forward_gives_the_full_paths_values_and_gradients():
+    # OPT's causal LM runs its decoder directly (OPTModel.forward never runs) and projects the
+    # hidden states to the embedding width before the head: the head's input is what counts
+    config = OPTConfig(
+        vocab_size=97,
+        hidden_size=32,
+        word_embed_proj_dim=16,
+        ffn_dim=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+    )
+    model = load_causal_lm(config, seed=0)
+    assert linear_lm_head(model) is model.lm_head
+    ids, mask = _left_pad(ROWS)
+    results = {}
+    for name, size in (("full", None), ("chunked", 4)):
+        model.zero_grad(set_to_none=True)
+        logprobs, entropy = token_logprobs(model, ids, mask, return_entropy=True, chunk_size=size)
+        (logprobs + 0.3 * entropy).sum().backward()
+        results[name] = (logprobs.detach(), entropy.detach(), _grads(model))
+    full, chunked = results["full"], results["chunked"]
+    torch.testing.assert_close(chunked[0], full[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(chunked[1], full[1], rtol=1e-5, atol=1e-5)
+    assert full[2].keys() == chunked[2].keys() and "model.decoder.project_out.weight" in full[2]
+    for name, grad in full[2].items():
+        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_chunked_never_builds_full_logits(actor, monkeypatch):

@@ -14,14 +14,13 @@ where ``z = (h Wᵀ + b) / temperature``. The gradient with respect to the raw l
 by the temperature and pushed through the linear head (``h`` and ``W`` and ``b``).
 
 :func:`linear_lm_head` decides whether a model can use this path: its output embedding must be a
-plain ``nn.Linear`` applied as is (no logit soft-capping or scaling) and its ``forward`` must take
-``logits_to_keep`` (then the model is asked for no logits at all). Otherwise
-:func:`~brace_lightning.models.policy.token_logprobs` falls back to the full path.
+plain ``nn.Linear`` applied as is (no logit soft-capping or scaling). Then
+:func:`final_hidden_states` reads the head's input and the model computes no logits at all.
+Otherwise :func:`~brace_lightning.models.policy.token_logprobs` falls back to the full path.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
@@ -40,8 +39,8 @@ def linear_lm_head(model: nn.Module) -> nn.Linear | None:
         model: a Hugging Face causal LM (possibly sharded with FSDP2).
 
     Returns:
-        The ``nn.Linear`` output embedding when logits are exactly ``head(last_hidden_state)`` and
-        ``forward`` accepts ``logits_to_keep``; None otherwise.
+        The ``nn.Linear`` output embedding when the logits are exactly that layer applied to its
+        input (no soft-capping or scaling after it, see ``LOGIT_TRANSFORMS``); None otherwise.
     """
     get_head = getattr(model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None
@@ -52,33 +51,34 @@ def linear_lm_head(model: nn.Module) -> nn.Linear | None:
         value = getattr(config, name, None)
         if value is not None and value != 1.0:
             return None
-    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
-        return None
-    if not isinstance(getattr(model, "base_model", None), nn.Module) or model.base_model is model:
-        return None
     return head
 
 
 def final_hidden_states(model: nn.Module, **inputs: Any) -> torch.Tensor:
-    """``last_hidden_state`` ``[B, T, H]`` of a causal LM, computing no logits.
+    """The ``[B, T, H]`` hidden states a causal LM's head turns into logits, computing no logits.
 
-    The model's own ``forward`` runs (so FSDP2's root hooks and any wrappers apply) with
-    ``logits_to_keep`` an empty index; a forward hook on its base model records the hidden states.
+    The model's own ``forward`` runs (so FSDP2's root hooks and any wrappers apply). A forward
+    pre-hook on its head (:func:`linear_lm_head`) records the head's input and hands the head an
+    empty slice of it instead, so the head returns ``[B, 0, V]``. Reading the head's input rather
+    than the base model's output also covers models whose head input is made outside the base
+    model's ``forward`` (OPT runs its decoder directly, and projects to the embedding width).
     """
+    head = model.get_output_embeddings()
     captured: list[torch.Tensor] = []
 
-    def keep(module: nn.Module, args: Any, output: Any) -> None:
-        hidden = output[0] if isinstance(output, tuple) else output.last_hidden_state
+    def keep(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
         captured.append(hidden)
+        return (hidden[..., :0, :], *args[1:])
 
-    handle = model.base_model.register_forward_hook(keep)
+    handle = head.register_forward_pre_hook(keep)
     try:
-        model(**inputs, logits_to_keep=torch.empty(0, dtype=torch.long), use_cache=False)
+        model(**inputs, use_cache=False)
     finally:
         handle.remove()
     if len(captured) != 1:
         raise RuntimeError(
-            f"final_hidden_states saw the base model {type(model.base_model).__name__} run "
+            f"final_hidden_states saw the LM head of {type(model).__name__} run "
             f"{len(captured)} times in one forward; expected exactly once."
         )
     return captured[0]
