@@ -37,19 +37,22 @@ def _grads(model: nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("temperature", [1.0, 0.6])
-@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
-def test_chunked_values_and_gradients_equal_full_path(actor, temperature, chunk_size):
+def assert_chunked_equals_full(
+    model: nn.Module, chunk_size: int, temperature: float = 1.0
+) -> dict[str, torch.Tensor]:
+    """Log-probs, entropy and every parameter's gradient of a weighted loss over :data:`ROWS`:
+    chunked equal to the full path within float32 round-off. Returns the full path's gradients."""
     ids, mask = _left_pad(ROWS)
     weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
     results = {}
     for name, size in (("full", None), ("chunked", chunk_size)):
-        actor.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=True)
         logprobs, entropy = token_logprobs(
-            actor, ids, mask, temperature=temperature, return_entropy=True, chunk_size=size
+            model, ids, mask, temperature=temperature, return_entropy=True, chunk_size=size
         )
         (logprobs * weights + 0.3 * entropy * weights.flip(1)).sum().backward()
-        results[name] = (logprobs.detach(), entropy.detach(), _grads(actor))
+        results[name] = (logprobs.detach(), entropy.detach(), _grads(model))
+    model.zero_grad(set_to_none=True)
     full, chunked = results["full"], results["chunked"]
     torch.testing.assert_close(chunked[0], full[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(chunked[1], full[1], rtol=1e-5, atol=1e-5)
@@ -57,7 +60,13 @@ def test_chunked_values_and_gradients_equal_full_path(actor, temperature, chunk_
     assert full[2].keys() == chunked[2].keys() and "lm_head.weight" in full[2]
     for name, grad in full[2].items():
         torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
-    actor.zero_grad(set_to_none=True)
+    return full[2]
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.6])
+@pytest.mark.parametrize("chunk_size", [1, 4, 1024])
+def test_chunked_values_and_gradients_equal_full_path(actor, temperature, chunk_size):
+    assert_chunked_equals_full(actor, chunk_size, temperature)
 
 
 def test_a_head_fed_outside_the_base_models_forward_gives_the_full_paths_values_and_gradients():
@@ -74,19 +83,8 @@ def test_a_head_fed_outside_the_base_models_forward_gives_the_full_paths_values_
     )
     model = load_causal_lm(config, seed=0)
     assert linear_lm_head(model) is model.lm_head
-    ids, mask = _left_pad(ROWS)
-    results = {}
-    for name, size in (("full", None), ("chunked", 4)):
-        model.zero_grad(set_to_none=True)
-        logprobs, entropy = token_logprobs(model, ids, mask, return_entropy=True, chunk_size=size)
-        (logprobs + 0.3 * entropy).sum().backward()
-        results[name] = (logprobs.detach(), entropy.detach(), _grads(model))
-    full, chunked = results["full"], results["chunked"]
-    torch.testing.assert_close(chunked[0], full[0], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(chunked[1], full[1], rtol=1e-5, atol=1e-5)
-    assert full[2].keys() == chunked[2].keys() and "model.decoder.project_out.weight" in full[2]
-    for name, grad in full[2].items():
-        torch.testing.assert_close(chunked[2][name], grad, rtol=1e-4, atol=1e-6, msg=name)
+    gradients = assert_chunked_equals_full(model, chunk_size=4, temperature=0.6)
+    assert "model.decoder.project_out.weight" in gradients
 
 
 def test_chunked_never_builds_full_logits(actor, monkeypatch):
