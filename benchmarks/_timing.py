@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -65,11 +66,29 @@ def in_mmap_subprocess(module: str, args: list[str]) -> str:
     fixed threshold every tensor above 64 KiB has its own mapping, returned to the OS on free, so
     :func:`peak_extra_mib` is exact. It also slows every allocation, so timings are taken elsewhere.
     """
+    return run_mmap_subprocess(module, args, check=True).stdout
+
+
+def run_mmap_subprocess(
+    module: str, args: list[str], *, max_bytes: int | None = None, check: bool = False
+) -> subprocess.CompletedProcess[str]:
+    """:func:`in_mmap_subprocess`'s child, its output captured; ``max_bytes`` caps its address
+    space (``RLIMIT_AS``), so that a run too large for the machine fails in the child with an
+    allocation error instead of pushing the machine into swap or the OOM killer."""
+
+    def limit() -> None:
+        if max_bytes is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (max_bytes, max_bytes))
+
     env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
-    done = subprocess.run(
-        [sys.executable, "-m", module, *args], env=env, capture_output=True, text=True, check=True
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=check,
+        preexec_fn=limit,
     )
-    return done.stdout
 
 
 def _status_kib(field: str) -> int:

@@ -24,6 +24,12 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
 
    tokens/s counts the real tokens; ratios are against (a) measured in the same process.
 
+3. ``--largest``: the longest single row whose step (as in 1.) runs, per path: a doubling ladder
+   of T from ``--ladder-start`` to ``--max-length`` (Qwen2.5-0.5B's 32768 positions), one step per
+   rung in a child process whose address space is capped at ``--memory-gib`` (default: the
+   memory available when the benchmark starts), stopping at the first rung that fails. A rung
+   that does not fit fails in its child with an allocation error; the machine never swaps.
+
 ``--activation-checkpointing`` recomputes every decoder block in the backward pass, in every case
 alike (``BraceModule(activation_checkpointing=True)``).
 
@@ -33,6 +39,7 @@ on a GPU (peak from the CUDA allocator).
 
     .venv/bin/python -m benchmarks.long_responses --layers 2 --lengths 1024 4096
     .venv/bin/python -m benchmarks.long_responses --layers 2 --lengths --batch-lengths 64 1024
+    .venv/bin/python -m benchmarks.long_responses --lengths --rows 0 --largest --activation-checkpointing
 """
 
 from __future__ import annotations
@@ -41,7 +48,9 @@ import argparse
 import json
 import math
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from transformers import Qwen2Config
@@ -51,6 +60,7 @@ from benchmarks._timing import (
     interleaved_median_seconds,
     peak_extra_mib,
     positive_int,
+    run_mmap_subprocess,
 )
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.microbatch import MicroBatch, plan_micro_batches, widen
@@ -171,6 +181,8 @@ def cases(
         ids, mask, adv = make_batch([length], vocab, args.device)
         plan = plan_micro_batches(mask)
         for name, size in (("full", None), ("chunked", args.chunk_size)):
+            if name not in args.paths:
+                continue
             out[f"row/{length}/{name}"] = (
                 lambda i=ids, m=mask, a=adv, p=plan, s=size: minibatch_update(
                     model, None, i, m, a, p, s
@@ -231,12 +243,25 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=positive_int, default=None)
+    parser.add_argument(
+        "--largest", action="store_true", help="part 3: the longest row that fits, per path"
+    )
+    parser.add_argument(
+        "--memory-gib", type=float, default=None, help="part 3's cap (default: MemAvailable)"
+    )
+    parser.add_argument("--ladder-start", type=positive_int, default=4096)
+    parser.add_argument("--max-length", type=positive_int, default=32_768)
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--paths", nargs="+", default=PATHS, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rows < 0:
         parser.error(f"--rows must be >= 0; got {args.rows}")
-    if not args.lengths and not args.rows:
-        parser.error("--lengths is empty and --rows is 0; expected something to measure")
+    if not args.lengths and not args.rows and not args.largest:
+        parser.error(
+            "--lengths is empty, --rows is 0 and --largest is off; expected something to measure"
+        )
+    if args.memory_gib is not None and args.memory_gib <= 0:
+        parser.error(f"--memory-gib must be > 0; got {args.memory_gib}")
     if args.threads:
         torch.set_num_threads(args.threads)
     longest = max([*args.lengths, args.batch_lengths[1]])
@@ -253,17 +278,16 @@ def main() -> None:
                 checkpoint_activations(net)
     measured = cases(args, model, critic)
     if args.memory_child:
-        print(
-            json.dumps(
-                {name: peak_extra_mib(fn, args.device) for name, (fn, _) in measured.items()}
-            )
-        )
+        print(json.dumps(measure_once(measured, args.device)))
+        return
+    if args.largest:
+        print_largest_table(args)
+    if not measured:
         return
     if args.device.startswith("cuda"):
         memory = {name: peak_extra_mib(fn, args.device) for name, (fn, _) in measured.items()}
     else:
-        child = [*sys.argv[1:], "--memory-child"]
-        memory = json.loads(in_mmap_subprocess("benchmarks.long_responses", child))
+        memory = memory_child(sys.argv[1:])["peak_mib"]
     seconds = interleaved_median_seconds(
         {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats
     )
@@ -288,6 +312,119 @@ def main() -> None:
             )
     if args.rows:
         print_batch_table(args, seconds, memory)
+
+
+#: Part 1's paths: today's full ``[B, T, V]`` log-softmax and the chunked head.
+PATHS = ["full", "chunked"]
+
+
+def measure_once(
+    measured: dict[str, tuple[Callable[[], None], int]], device: str
+) -> dict[str, object]:
+    """The memory child's report: resident MiB with the model built (``baseline_mib``), then per
+    case its peak extra MiB and the seconds of that one run (slowed by the mmap threshold). The
+    first case runs once unmeasured before, so that one-time allocations (thread pools, autograd's
+    engine) fall on no case."""
+    if measured:
+        next(iter(measured.values()))[0]()
+    baseline = resident_mib() if device == "cpu" else None
+    peaks: dict[str, float | None] = {}
+    seconds: dict[str, float] = {}
+    for name, (fn, _) in measured.items():
+        start = time.perf_counter()
+        peaks[name] = peak_extra_mib(fn, device)
+        seconds[name] = time.perf_counter() - start
+    return {"baseline_mib": baseline, "peak_mib": peaks, "seconds": seconds}
+
+
+def memory_child(argv: list[str]) -> dict:
+    """:func:`measure_once` of this script run with ``argv`` in a child process whose allocator
+    returns every tensor to the OS (``in_mmap_subprocess``)."""
+    return json.loads(in_mmap_subprocess("benchmarks.long_responses", [*argv, "--memory-child"]))
+
+
+def resident_mib() -> float:
+    """This process's resident memory (``VmRSS``) in MiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError("/proc/self/status has no VmRSS")
+
+
+def available_memory_gib() -> float:
+    """The memory available for new work on this machine (``MemAvailable``) in GiB."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError("/proc/meminfo has no MemAvailable")
+
+
+def ladder(start: int, stop: int) -> list[int]:
+    """``start``, ``2·start``, ... below ``stop``, then ``stop`` itself."""
+    rungs = []
+    while start < stop:
+        rungs.append(start)
+        start *= 2
+    return [*rungs, stop]
+
+
+def failure(stderr: str) -> str:
+    """Why a rung's child failed, in a few words: "out of memory" for an allocation error, else
+    the last line of its error output (cut to 80 characters)."""
+    if "can't allocate memory" in stderr or "MemoryError" in stderr:
+        return "out of memory"
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    return (lines[-1] if lines else "no error output")[:80].replace("|", "/")
+
+
+def print_largest_table(args: argparse.Namespace) -> None:
+    """Part 3: per path, the longest rung of :func:`ladder` whose step ran within
+    ``--memory-gib``, and the first that did not. The model's own arguments (depth, vocabulary,
+    chunk, checkpointing, threads) are passed to every child."""
+    model_args = [
+        f"--layers={args.layers}",
+        f"--vocab={args.vocab}",
+        f"--chunk-size={args.chunk_size}",
+        f"--device={args.device}",
+        "--rows=0",
+        *(["--activation-checkpointing"] if args.activation_checkpointing else []),
+        *([f"--threads={args.threads}"] if args.threads else []),
+    ]
+    memory_gib = args.memory_gib or available_memory_gib()
+    print()
+    print(
+        f"Largest single row within {memory_gib:.1f} GiB of address space: one actor loss "
+        f"forward + backward, {args.layers} layers, V={args.vocab}, {args.device}, "
+        f"chunk={args.chunk_size}, activation checkpointing "
+        f"{'on' if args.activation_checkpointing else 'off'}; one run per length (in the "
+        "memory-measuring child, slower than timed runs)"
+    )
+    print()
+    print(
+        "| path | largest T that ran | its peak extra MiB | resident before MiB | its s "
+        "| first T that did not |"
+    )
+    print("|---|---|---|---|---|---|")
+    for path in PATHS:
+        fitted, failed = ["-", "-", "-", "-"], "-"
+        for length in ladder(args.ladder_start, args.max_length):
+            done = run_mmap_subprocess(
+                "benchmarks.long_responses",
+                [*model_args, "--paths", path, "--lengths", str(length), "--memory-child"],
+                max_bytes=int(memory_gib * 2**30),
+            )
+            if done.returncode != 0:
+                failed = f"{length} ({failure(done.stderr)})"
+                break
+            run = json.loads(done.stdout)
+            name = f"row/{length}/{path}"
+            fitted = [
+                str(length),
+                f"{run['peak_mib'][name]:.0f}",
+                f"{run['baseline_mib']:.0f}",
+                f"{run['seconds'][name]:.1f}",
+            ]
+        print(f"| {path} | {' | '.join(fitted)} | {failed} |")
 
 
 def print_batch_table(

@@ -7,6 +7,7 @@ import argparse
 import pytest
 
 from benchmarks._timing import model_size, positive_int
+from benchmarks.long_responses import failure, ladder
 
 
 def test_model_size_parses_hidden_by_layers_and_names_the_expected_form():
@@ -34,3 +35,14 @@ def test_a_bad_size_on_the_command_line_is_one_error_naming_the_argument(capsys)
     assert (
         "argument --sizes: expected HIDDENxLAYERS such as 64x1; got '32'" in capsys.readouterr().err
     )
+
+
+def test_the_length_ladder_doubles_up_to_its_cap_and_a_failed_rung_says_why_in_a_few_words():
+    assert ladder(4096, 32768) == [4096, 8192, 16384, 32768]
+    assert ladder(1000, 3000) == [1000, 2000, 3000]
+    assert ladder(64, 64) == [64]
+    oom = "Traceback ...\nRuntimeError: DefaultCPUAllocator: can't allocate memory: you tried"
+    assert failure(oom) == "out of memory"
+    assert failure("x\nMemoryError\n") == "out of memory"
+    assert failure("ImportError: a | b\n\n") == "ImportError: a / b"  # keeps the table's cells
+    assert failure("") == "no error output"

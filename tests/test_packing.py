@@ -410,6 +410,21 @@ def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() 
 
 
 @pytest.mark.slow
+def test_the_long_responses_benchmark_climbs_the_length_ladder_until_a_rung_fails() -> None:
+    quick = "--layers 1 --vocab 1000 --lengths --rows 0 --largest --ladder-start 32 --max-length 64"
+    ample = _benchmark("long_responses", *quick.split(), "--memory-gib", "8").stdout
+    for path in ("full", "chunked"):  # rungs 32 and 64 both ran
+        assert any(
+            line.startswith(f"| {path} | 64 | ") and line.endswith(" | - |")
+            for line in ample.splitlines()
+        ), ample
+    # 0.3 GiB of address space cannot even map libtorch: the first rung fails, and says why
+    starved = _benchmark("long_responses", *quick.split(), "--memory-gib", "0.3").stdout
+    assert "| full | - | - | - | - | 32 (" in starved, starved
+    assert "| chunked | - | - | - | - | 32 (" in starved, starved
+
+
+@pytest.mark.slow
 def test_the_train_step_benchmark_times_padded_and_both_packed_attentions() -> None:
     done = _benchmark("train_step", "--packing", "--steps", "2", "--repeats", "1")
     rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][2:]
