@@ -295,6 +295,34 @@ def table(summaries: dict[str, dict[tuple[int, str], dict[str, float | int | str
     return "\n\n".join(sections)
 
 
+#: The per-run table's extremes: (column, tag), the series' maximum over the run.
+RUN_MAXIMA = (("max KL(π‖µ)", "kl/pi_mu"), ("max w", "weights/w_max"))
+
+
+def per_run_table(
+    curves: dict[tuple[int, str], dict[int, dict[str, list[tuple[int, float]]]]], window: int
+) -> str:
+    """Markdown: one row per run with its validation reward at every pass, how many of its rollout
+    batches had a mean reward of 0 (a collapsed run: nearly all), its final-window response length
+    and the maxima of :data:`RUN_MAXIMA` (how far its behaviour policy fell behind)."""
+    order = list(TARGETS)
+    header = ["S", "target", "seed", "val/reward per pass", "batches at reward 0"]
+    header += ["length, final window", *(name for name, _ in RUN_MAXIMA)]
+    lines = ["**per run**", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    for lag, target in sorted(curves, key=lambda key: (key[0], order.index(key[1]))):
+        for seed, series in sorted(curves[(lag, target)].items()):
+            validation = " → ".join(f"{v:.2f}" for _, v in sorted(series.get("val/reward", [])))
+            zero = sum(v == 0.0 for _, v in series["rollout/reward"])
+            length = window_mean(series["rollout/response_length"], window)
+            maxima = [
+                f"{max(v for _, v in series[tag]):.3g}" if series.get(tag) else "-"
+                for _, tag in RUN_MAXIMA
+            ]
+            cells = [str(lag), target, str(seed), validation or "-", str(zero), f"{length:.0f}"]
+            lines.append("| " + " | ".join([*cells, *maxima]) + " |")
+    return "\n".join(lines)
+
+
 def _smooth(values: list[float], width: int) -> list[float]:
     """Trailing moving average over ``width`` values."""
     out = []
@@ -390,6 +418,8 @@ def aggregate_grid(
                 by_seed[cell.seed] = window_mean(series[tag], width, first=which == "first")
     summaries = {m[0]: summarize(scores[m[0]], higher_is_better=m[3]) for m in METRICS}
     text = table(summaries)
+    if curves:
+        text += "\n\n" + per_run_table(curves, window)
     (out / "summary.md").write_text(text + "\n")
     if curves:
         plot(curves, out / "curves.png", smooth=smooth)

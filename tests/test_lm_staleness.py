@@ -112,6 +112,14 @@ def test_grid_runs_resumes_and_tabulates(tmp_path: Path, capsys: pytest.CaptureF
         section = summary.split(f"**{name}**")[1].split("**")[0].strip().splitlines()
         rows = [line.split(" | ")[:3] for line in section[2:]]
         assert rows == [["| 0", "gae", "1"], ["| 1", "gae", "1"]], name
+    per_run = summary.split("**per run**")[1].strip().splitlines()
+    assert [line.split(" | ")[:3] for line in per_run[2:]] == [
+        ["| 0", "gae", "0"],
+        ["| 1", "gae", "0"],
+    ]
+    for line in per_run[2:]:  # two validation passes, then the zero-reward batch count (of 2)
+        validation, zeros = line.split(" | ")[3:5]
+        assert validation.count(" → ") == 1 and int(zeros) in (0, 1, 2), line
     assert (out / "curves.png").stat().st_size > 0
 
     lm_staleness.main(argv)  # rerun: every cell has its marker
