@@ -10,7 +10,7 @@ target runs with the recipe's hyperparameters; only the target class differs:
 - ``gae``: ``configs/targets/gae.yaml`` (λ = 1)
 - ``vtrace``: ``configs/targets/vtrace.yaml`` (ρ̄ = c̄ = 1)
 - ``brace``: ``configs/targets/brace.yaml`` (k = 100, ρ̄ = 1.2, c̄ = 1.1, Monte-Carlo tail)
-- ``brace_notail``: the same with ``mc_tail: false``
+- ``brace_notail``: the same with ``mc_tail: false`` (``configs/targets/brace_notail.yaml``)
 
 A cell writes its TensorBoard events under ``OUT/cells/lag<S>/<target>/seed<N>/`` and, when the run
 exits cleanly, a ``done.json`` marker; cells with a marker are skipped, so a rerun resumes. Cells run
@@ -55,11 +55,7 @@ TARGETS: dict[str, list[str]] = {
     "gae": ["--config", str(ROOT / "configs" / "targets" / "gae.yaml")],
     "vtrace": ["--config", str(ROOT / "configs" / "targets" / "vtrace.yaml")],
     "brace": ["--config", str(ROOT / "configs" / "targets" / "brace.yaml")],
-    "brace_notail": [
-        "--config",
-        str(ROOT / "configs" / "targets" / "brace.yaml"),
-        "--model.value_target.init_args.mc_tail=false",
-    ],
+    "brace_notail": ["--config", str(ROOT / "configs" / "targets" / "brace_notail.yaml")],
 }
 
 #: Table columns: (name, tag, window, higher is better; None: neither). Window "first"/"final": the

@@ -64,7 +64,14 @@ def test_targets_differ_only_in_their_target_arguments(tmp_path: Path) -> None:
         assert "--data.init_args.lag=8" in args and "--trainer.max_epochs=2" in args
     first = commands.pop("gae")
     assert all(other == first for other in commands.values())  # same recipe, seeds and lag
-    assert "--model.value_target.init_args.mc_tail=false" in lm_staleness.TARGETS["brace_notail"]
+    # the no-tail overlay is the paper's BRACE with the tail off, nothing else
+    overlays = {
+        name: yaml.safe_load((ROOT / "configs" / "targets" / f"{name}.yaml").read_text())
+        for name in ("brace", "brace_notail")
+    }
+    notail = overlays["brace_notail"]["model"]["value_target"]["init_args"]
+    assert notail.pop("mc_tail") is False
+    assert overlays["brace"]["model"]["value_target"]["init_args"] == {**notail, "mc_tail": True}
 
 
 def tiny_recipe(path: Path) -> Path:
