@@ -16,9 +16,11 @@ A cell writes its TensorBoard events under ``OUT/cells/lag<S>/<target>/seed<N>/`
 exits cleanly, a ``done.json`` marker; cells with a marker are skipped, so a rerun resumes. Cells run
 one at a time by default (``--workers``), each with one torch thread (``OMP_NUM_THREADS=1``).
 
-Aggregation, per (S, target) over seeds: the first- and final-window means of ``rollout/reward``
-(higher is better), the last ``val/reward`` and the last ``val/value_gap_mc`` (lower is better; the
-critic's mean |V − G| on fresh on-policy rollouts), each with its
+Aggregation, per (S, target) over seeds: the first-, final- and worst-window means of
+``rollout/reward`` (higher is better), the last ``val/reward`` and the last ``val/value_gap_mc``
+(lower is better; the critic's mean |V − G| on fresh on-policy rollouts), the final response length
+and the run's mean KL(π‖µ) per token (how far the policy moved from the stale behaviour), each with
+its
 mean and 95% Student-t interval (``brace_lightning.sweep.interval``), and its difference to GAE at
 the same S paired seed by seed; a difference whose interval covers 0 is a tie. Writes
 ``OUT/summary.md`` (markdown table) and ``OUT/curves.png`` (reward and value gap vs step, one panel
@@ -58,14 +60,18 @@ TARGETS: dict[str, list[str]] = {
     "brace_notail": ["--config", str(ROOT / "configs" / "targets" / "brace_notail.yaml")],
 }
 
-#: Table columns: (name, tag, window, higher is better; None: neither). Window "first"/"final": the
-#: mean of the first or last ``--window`` values of the series; "last": its last value (validation).
+#: Table columns: (name, tag, window, higher is better; None: neither). Windows are those of
+#: :func:`score`: "first"/"final" the mean of the first or last ``--window`` values of the series,
+#: "worst" the lowest mean of its consecutive ``--window``-step windows (the deepest dip), "mean"
+#: the whole run's mean, "last" its last value (validation).
 METRICS = (
     ("reward, first window", "rollout/reward", "first", True),
     ("reward, final window", "rollout/reward", "final", True),
+    ("reward, worst window", "rollout/reward", "worst", True),
     ("val/reward, last", "val/reward", "last", True),
     ("val/value_gap_mc, last", "val/value_gap_mc", "last", False),
     ("response length, final window", "rollout/response_length", "final", None),
+    ("KL(π‖µ) per token, run mean", "kl/pi_mu", "mean", None),
 )
 
 
@@ -215,6 +221,22 @@ def window_mean(series: list[tuple[int, float]], window: int, *, first: bool = F
     values = [v for _, v in sorted(series)]
     values = values[:window] if first else values[-window:]
     return sum(values) / len(values)
+
+
+def score(series: list[tuple[int, float]], which: str, window: int) -> float:
+    """One number of a run's ``series`` for a column of :data:`METRICS` (``which``: "first",
+    "final", "worst", "mean" or "last"; windows of ``window`` steps, by step)."""
+    if which == "last":
+        return window_mean(series, 1)
+    if which == "mean":
+        return window_mean(series, len(series))
+    if which == "worst":
+        values = [v for _, v in sorted(series)]
+        return min(
+            sum(values[i : i + window]) / len(values[i : i + window])
+            for i in range(0, len(values), window)
+        )
+    return window_mean(series, window, first=which == "first")
 
 
 def _interval_or_point(values: list[float]) -> tuple[float, float, float]:
@@ -409,9 +431,8 @@ def aggregate_grid(
         curves.setdefault((cell.lag, cell.target), {})[cell.seed] = series
         for name, tag, which, _ in METRICS:
             if series.get(tag):
-                width = 1 if which == "last" else window
                 by_seed = scores[name].setdefault((cell.lag, cell.target), {})
-                by_seed[cell.seed] = window_mean(series[tag], width, first=which == "first")
+                by_seed[cell.seed] = score(series[tag], which, window)
     summaries = {m[0]: summarize(scores[m[0]], higher_is_better=m[3]) for m in METRICS}
     text = table(summaries)
     if curves:

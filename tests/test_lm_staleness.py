@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from benchmarks import lm_staleness
-from benchmarks.lm_staleness import Cell, summarize, window_mean
+from benchmarks.lm_staleness import Cell, score, summarize, window_mean
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,6 +48,13 @@ def test_window_mean() -> None:
     assert window_mean(series, 2) == 3.5  # the last two steps, by step
     assert window_mean(series, 2, first=True) == 1.5
     assert window_mean(series, 10) == 2.5
+    dip = [(step, value) for step, value in enumerate([0.5, 0.5, 0.1, 0.2, 0.6, 0.4, 0.3])]
+    assert score(dip, "worst", 2) == pytest.approx(0.15)  # windows 0.5, 0.15, 0.5, 0.3
+    # windows 0.367, 0.4 and a short last one, 0.3
+    assert score(dip, "worst", 3) == pytest.approx(0.3)
+    assert score(dip, "mean", 2) == pytest.approx(2.6 / 7)
+    assert score(dip, "last", 2) == 0.3
+    assert score(dip, "first", 2) == 0.5 and score(dip, "final", 2) == pytest.approx(0.35)
 
 
 def test_targets_differ_only_in_their_target_arguments(tmp_path: Path) -> None:
