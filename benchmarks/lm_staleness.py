@@ -361,7 +361,8 @@ def _plot_curve(
     steps = [step for step, _ in sorted(series[0])[:length]]
     values = [_smooth([v for _, v in sorted(s)][:length], width) for s in series]
     stats = [_interval_or_point([v[i] for v in values]) for i in range(length)]
-    (line,) = ax.plot(steps, [mean for mean, _, _ in stats], label=label)
+    color = f"C{list(TARGETS).index(label)}"  # one colour per target in every panel
+    (line,) = ax.plot(steps, [mean for mean, _, _ in stats], label=label, color=color)
     if len(values) >= 2:
         lows, highs = [low for _, low, _ in stats], [high for _, _, high in stats]
         ax.fill_between(steps, lows, highs, color=line.get_color(), alpha=0.2)
@@ -409,7 +410,8 @@ def plot(
         axes[-1][col].set_xlabel("rollout step")
         for row, (_, _, label) in enumerate(rows):
             axes[row][col].set_ylabel(label)
-    axes[0][0].legend()
+    for col in range(len(lags)):  # the targets differ by lag: each column names its own
+        axes[0][col].legend()
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
