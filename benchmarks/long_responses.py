@@ -50,7 +50,6 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from transformers import Qwen2Config
@@ -60,6 +59,7 @@ from benchmarks._timing import (
     interleaved_median_seconds,
     peak_extra_mib,
     positive_int,
+    proc_kib,
     run_mmap_subprocess,
 )
 from brace_lightning.models.critic import ValueModel
@@ -345,18 +345,12 @@ def memory_child(argv: list[str]) -> dict:
 
 def resident_mib() -> float:
     """This process's resident memory (``VmRSS``) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/status has no VmRSS")
+    return proc_kib("VmRSS") / 1024
 
 
 def available_memory_gib() -> float:
     """The memory available for new work on this machine (``MemAvailable``) in GiB."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+    return proc_kib("MemAvailable", "/proc/meminfo") / 2**20
 
 
 def ladder(start: int, stop: int) -> list[int]:
