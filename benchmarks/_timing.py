@@ -91,11 +91,13 @@ def run_mmap_subprocess(
     )
 
 
-def _status_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
+def proc_kib(field: str, path: str = "/proc/self/status") -> int:
+    """A ``field: N kB`` line of a Linux ``/proc`` file, in KiB (``VmRSS``, ``VmHWM`` of this
+    process; ``MemAvailable`` of ``/proc/meminfo``)."""
+    for line in Path(path).read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1])
-    raise RuntimeError(f"/proc/self/status has no {field}")
+    raise RuntimeError(f"{path} has no {field} line; expected Linux.")
 
 
 def peak_extra_mib(fn: Callable[[], object], device: str = "cpu") -> float | None:
@@ -114,8 +116,8 @@ def peak_extra_mib(fn: Callable[[], object], device: str = "cpu") -> float | Non
         return (torch.cuda.max_memory_allocated() - before) / 2**20
     try:
         Path("/proc/self/clear_refs").write_text("5")
-        before = _status_kib("VmRSS")
+        before = proc_kib("VmRSS")
         fn()
-        return max(0, _status_kib("VmHWM") - before) / 1024
+        return max(0, proc_kib("VmHWM") - before) / 1024
     except OSError:
         return None

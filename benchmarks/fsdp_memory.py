@@ -71,7 +71,7 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from benchmarks._timing import positive_int
+from benchmarks._timing import positive_int, proc_kib
 from brace_lightning.models import ValueModel
 from brace_lightning.models.health import require_finite_weights
 from brace_lightning.models.memory import fsdp_bytes_per_rank, parameter_counts
@@ -116,11 +116,7 @@ def _rss_bytes() -> int:
 
 
 def _peak_since_reset_bytes() -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("/proc/self/status has no VmHWM line; expected Linux.")
+    return proc_kib("VmHWM") * 1024
 
 
 def _reset_peak() -> None:

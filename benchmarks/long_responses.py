@@ -50,7 +50,6 @@ import math
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 from transformers import Qwen2Config
@@ -60,6 +59,7 @@ from benchmarks._timing import (
     interleaved_median_seconds,
     peak_extra_mib,
     positive_int,
+    proc_kib,
     run_mmap_subprocess,
 )
 from brace_lightning.models.critic import ValueModel
@@ -278,6 +278,7 @@ def main() -> None:
                 checkpoint_activations(net)
     measured = cases(args, model, critic)
     if args.memory_child:
+        warm_up(model, critic, args)
         print(json.dumps(measure_once(measured, args.device)))
         return
     if args.largest:
@@ -318,15 +319,20 @@ def main() -> None:
 PATHS = ["full", "chunked"]
 
 
+def warm_up(model: torch.nn.Module, critic: ValueModel | None, args: argparse.Namespace) -> None:
+    """One unmeasured 16-token step on each path, so that one-time allocations (thread pools,
+    autograd's engine) fall on no measured case, at no cost next to the cases themselves."""
+    ids, mask, adv = make_batch([16], model.config.vocab_size, args.device)
+    plan = plan_micro_batches(mask)
+    for size in (None, args.chunk_size):
+        minibatch_update(model, critic, ids, mask, adv, plan, size)
+
+
 def measure_once(
     measured: dict[str, tuple[Callable[[], None], int]], device: str
 ) -> dict[str, object]:
     """The memory child's report: resident MiB with the model built (``baseline_mib``), then per
-    case its peak extra MiB and the seconds of that one run (slowed by the mmap threshold). The
-    first case runs once unmeasured before, so that one-time allocations (thread pools, autograd's
-    engine) fall on no case."""
-    if measured:
-        next(iter(measured.values()))[0]()
+    case its peak extra MiB and the seconds of that one run (slowed by the mmap threshold)."""
     baseline = resident_mib() if device == "cpu" else None
     peaks: dict[str, float | None] = {}
     seconds: dict[str, float] = {}
@@ -345,18 +351,12 @@ def memory_child(argv: list[str]) -> dict:
 
 def resident_mib() -> float:
     """This process's resident memory (``VmRSS``) in MiB."""
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    raise RuntimeError("/proc/self/status has no VmRSS")
+    return proc_kib("VmRSS") / 1024
 
 
 def available_memory_gib() -> float:
     """The memory available for new work on this machine (``MemAvailable``) in GiB."""
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) / 2**20
-    raise RuntimeError("/proc/meminfo has no MemAvailable")
+    return proc_kib("MemAvailable", "/proc/meminfo") / 2**20
 
 
 def ladder(start: int, stop: int) -> list[int]:
