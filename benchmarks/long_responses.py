@@ -171,6 +171,10 @@ def batch_plans(args: argparse.Namespace, mask: torch.Tensor) -> dict[str, list[
     }
 
 
+#: Part 2's optional plans (``--plans``); ``padded`` always runs as the baseline.
+OPTIONAL_PLANS = ["one", "budget", "packed"]
+
+
 def cases(
     args: argparse.Namespace, model: torch.nn.Module, critic: ValueModel | None
 ) -> dict[str, tuple[Callable[[], None], int]]:
@@ -194,6 +198,8 @@ def cases(
         ids, mask, adv = make_batch(lengths, vocab, args.device)
         plans = batch_plans(args, mask)
         for name, (kind, chunked, packed) in BATCH_CASES.items():
+            if name != "batch/padded" and name.split("/")[1] not in args.plans:
+                continue
             out[name] = (
                 lambda p=plans[kind], s=args.chunk_size if chunked else None, k=packed: (
                     minibatch_update(model, critic, ids, mask, adv, p, s, k)
@@ -228,6 +234,13 @@ def main() -> None:
     parser.add_argument("--batch-lengths", type=positive_int, nargs=2, default=[64, 4096])
     parser.add_argument("--padded-rows", type=positive_int, default=2)
     parser.add_argument("--max-tokens", type=positive_int, default=4096)
+    parser.add_argument(
+        "--plans",
+        nargs="*",
+        choices=OPTIONAL_PLANS,
+        default=OPTIONAL_PLANS,
+        help="part 2's plans beside the padded baseline",
+    )
     parser.add_argument(
         "--critic",
         action=argparse.BooleanOptionalAction,
@@ -289,15 +302,16 @@ def main() -> None:
         memory = {name: peak_extra_mib(fn, args.device) for name, (fn, _) in measured.items()}
     else:
         memory = memory_child(sys.argv[1:])["peak_mib"]
+    warm_up(model, critic, args)
     seconds = interleaved_median_seconds(
-        {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats
+        {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats, warmup=0
     )
     print(
         f"device={args.device} threads={torch.get_num_threads()} torch={torch.__version__}; "
         f"Qwen2.5-0.5B shape, {args.layers} layers, V={args.vocab}, float32; "
         f"chunk={args.chunk_size}; "
         f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}; "
-        f"median of {args.repeats} runs taken in turns (after 1 warm-up)"
+        f"median of {args.repeats} runs taken in turns (after a 16-token warm-up step per path)"
     )
     if args.lengths:
         print()
@@ -320,12 +334,13 @@ PATHS = ["full", "chunked"]
 
 
 def warm_up(model: torch.nn.Module, critic: ValueModel | None, args: argparse.Namespace) -> None:
-    """One unmeasured 16-token step on each path, so that one-time allocations (thread pools,
-    autograd's engine) fall on no measured case, at no cost next to the cases themselves."""
+    """One unmeasured 16-token step on each path (full, chunked, packed), so that one-time
+    allocations (thread pools, autograd's engine) fall on no measured case, at no cost next to the
+    cases themselves; the timed runs and the memory child both start after it."""
     ids, mask, adv = make_batch([16], model.config.vocab_size, args.device)
     plan = plan_micro_batches(mask)
-    for size in (None, args.chunk_size):
-        minibatch_update(model, critic, ids, mask, adv, plan, size)
+    for size, packed in ((None, False), (args.chunk_size, False), (args.chunk_size, True)):
+        minibatch_update(model, critic, ids, mask, adv, plan, size, packed)
 
 
 def measure_once(
@@ -455,6 +470,8 @@ def print_batch_table(
     }
     base = seconds["batch/padded"]
     for name, label in labels.items():
+        if name not in seconds:
+            continue
         kind, _, packed = BATCH_CASES[name]
         plan = plans[kind]
         computed = sum(int(mask[m.rows].sum()) if packed else m.tokens for m in plan)

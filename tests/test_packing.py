@@ -410,6 +410,18 @@ def test_the_long_responses_benchmark_prints_both_tables_with_the_packed_case() 
 
 
 @pytest.mark.slow
+def test_the_long_responses_benchmark_runs_only_the_chosen_plans_beside_the_baseline() -> None:
+    quick = "--layers 1 --vocab 1000 --lengths --rows 4 --batch-lengths 8 64 --max-tokens 96"
+    done = _benchmark("long_responses", *quick.split(), "--repeats", "1", "--plans", "packed")
+    plans = [line.split(" | ")[0][2:] for line in done.stdout.splitlines() if " rows " in line]
+    plans += [line.split(" | ")[0][2:] for line in done.stdout.splitlines() if "sorted" in line]
+    assert plans == [
+        "2 rows in arrival order, padded, full logits",
+        "sorted, 96 real-token budget, packed, chunked",
+    ], done.stdout
+
+
+@pytest.mark.slow
 def test_the_long_responses_benchmark_climbs_the_length_ladder_until_a_rung_fails() -> None:
     quick = "--layers 1 --vocab 1000 --lengths --rows 0 --largest --ladder-start 32 --max-length 64"
     ample = _benchmark("long_responses", *quick.split(), "--memory-gib", "8").stdout
