@@ -46,9 +46,8 @@ def built_run(tmp_path: Path, *extra: str, actor: torch.nn.Module | None = None)
 
 
 def test_seed_everything_alone_reseeds_the_model_the_prompts_and_the_sampling(tmp_path):
-    first = built_run(tmp_path / "a", "--seed_everything=1")
-    actor = first["actor"]
-    first = built_run(tmp_path / "a", "--seed_everything=1", actor=actor)
+    first = built_run(tmp_path / "a", "--seed_everything=1")  # its engine samples its own actor
+    actor = first["actor"]  # ... which the other runs' engines sample too
     again = built_run(tmp_path / "b", "--seed_everything=1", actor=actor)
     other = built_run(tmp_path / "c", "--seed_everything=2", actor=actor)
     assert first["seeds"] == again["seeds"] == (1, 1, 1)
