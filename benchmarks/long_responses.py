@@ -28,7 +28,8 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
    of T from ``--ladder-start`` to ``--max-length`` (Qwen2.5-0.5B's 32768 positions), one step per
    rung in a child process whose address space is capped at ``--memory-gib`` (default: the
    memory available when the benchmark starts), stopping at the first rung that fails. A rung
-   that does not fit fails in its child with an allocation error; the machine never swaps.
+   that does not fit fails in its child with an allocation error; the machine never swaps. With
+   ``--device cuda`` the cap is the GPU's memory (its allocator's out-of-memory error).
 
 ``--activation-checkpointing`` recomputes every decoder block in the backward pass, in every case
 alike (``BraceModule(activation_checkpointing=True)``).
@@ -275,6 +276,11 @@ def main() -> None:
         )
     if args.memory_gib is not None and args.memory_gib <= 0:
         parser.error(f"--memory-gib must be > 0; got {args.memory_gib}")
+    if args.memory_gib is not None and args.device.startswith("cuda"):
+        parser.error(
+            f"--memory-gib caps the CPU's address space; got {args.memory_gib} with "
+            f"--device {args.device}, whose cap is the GPU's own memory"
+        )
     if args.threads:
         torch.set_num_threads(args.threads)
     longest = max([*args.lengths, args.batch_lengths[1]])
@@ -346,9 +352,12 @@ def warm_up(model: torch.nn.Module, critic: ValueModel | None, args: argparse.Na
 def measure_once(
     measured: dict[str, tuple[Callable[[], None], int]], device: str
 ) -> dict[str, object]:
-    """The memory child's report: resident MiB with the model built (``baseline_mib``), then per
-    case its peak extra MiB and the seconds of that one run (slowed by the mmap threshold)."""
-    baseline = resident_mib() if device == "cpu" else None
+    """The memory child's report: resident MiB with the model built (``baseline_mib``; on CUDA the
+    allocated MiB), then per case its peak extra MiB and the seconds of that one run (slowed by the
+    mmap threshold on CPU)."""
+    baseline = (
+        torch.cuda.memory_allocated(device) / 2**20 if device.startswith("cuda") else resident_mib()
+    )
     peaks: dict[str, float | None] = {}
     seconds: dict[str, float] = {}
     for name, (fn, _) in measured.items():
@@ -405,10 +414,17 @@ def print_largest_table(args: argparse.Namespace) -> None:
         *(["--activation-checkpointing"] if args.activation_checkpointing else []),
         *([f"--threads={args.threads}"] if args.threads else []),
     ]
-    memory_gib = args.memory_gib or available_memory_gib()
+    if args.device.startswith("cuda"):
+        # The GPU's allocator fails a step that does not fit; CUDA itself maps far more address
+        # space than the machine has, so no RLIMIT_AS cap.
+        max_bytes, within, before = None, "the GPU's memory", "allocated before MiB"
+    else:
+        memory_gib = args.memory_gib or available_memory_gib()
+        max_bytes = int(memory_gib * 2**30)
+        within, before = f"{memory_gib:.1f} GiB of address space", "resident before MiB"
     print()
     print(
-        f"Largest single row within {memory_gib:.1f} GiB of address space: one actor loss "
+        f"Largest single row within {within}: one actor loss "
         f"forward + backward, {args.layers} layers, V={args.vocab}, {args.device}, "
         f"chunk={args.chunk_size}, activation checkpointing "
         f"{'on' if args.activation_checkpointing else 'off'}; one run per length (in the "
@@ -416,7 +432,7 @@ def print_largest_table(args: argparse.Namespace) -> None:
     )
     print()
     print(
-        "| path | largest T that ran | its peak extra MiB | resident before MiB | its s "
+        f"| path | largest T that ran | its peak extra MiB | {before} | its s "
         "| first T that did not |"
     )
     print("|---|---|---|---|---|---|")
@@ -426,7 +442,7 @@ def print_largest_table(args: argparse.Namespace) -> None:
             done = run_mmap_subprocess(
                 "benchmarks.long_responses",
                 [*model_args, "--paths", path, "--lengths", str(length), "--memory-child"],
-                max_bytes=int(memory_gib * 2**30),
+                max_bytes=max_bytes,
             )
             if done.returncode != 0:
                 failed = f"{length} ({failure(done.stderr)})"

@@ -6,6 +6,7 @@ import argparse
 
 import pytest
 
+from benchmarks import long_responses
 from benchmarks._timing import model_size, positive_int
 from benchmarks.long_responses import failure, ladder
 
@@ -44,5 +45,20 @@ def test_the_length_ladder_doubles_up_to_its_cap_and_a_failed_rung_says_why_in_a
     oom = "Traceback ...\nRuntimeError: DefaultCPUAllocator: can't allocate memory: you tried"
     assert failure(oom) == "out of memory"
     assert failure("x\nMemoryError\n") == "out of memory"
+    cuda_oom = "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 18.55 GiB."
+    assert failure(cuda_oom) == "out of memory"
     assert failure("ImportError: a | b\n\n") == "ImportError: a / b"  # keeps the table's cells
     assert failure("") == "no error output"
+
+
+def test_the_ladders_cpu_address_space_cap_is_refused_on_a_gpu_in_one_sentence(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["long_responses", "--largest", "--device", "cuda", "--memory-gib", "40"]
+    monkeypatch.setattr("sys.argv", argv)
+    with pytest.raises(SystemExit):
+        long_responses.main()
+    assert (
+        "--memory-gib caps the CPU's address space; got 40.0 with --device cuda, whose cap is "
+        "the GPU's own memory" in capsys.readouterr().err
+    )
