@@ -58,7 +58,13 @@ TARGETS: dict[str, list[str]] = {
     "vtrace": ["--config", str(ROOT / "configs" / "targets" / "vtrace.yaml")],
     "brace": ["--config", str(ROOT / "configs" / "targets" / "brace.yaml")],
     "brace_notail": ["--config", str(ROOT / "configs" / "targets" / "brace_notail.yaml")],
+    # Ablations of the advantage's ρ factor (V-trace has it, GAE and BRACE do not); not run unless
+    # named in --targets.
+    "brace_rho": ["--config", str(ROOT / "configs" / "targets" / "brace_rho.yaml")],
+    "vtrace_norho": ["--config", str(ROOT / "configs" / "targets" / "vtrace_norho.yaml")],
 }
+#: The issue's four targets: the default grid.
+DEFAULT_TARGETS = ["gae", "vtrace", "brace", "brace_notail"]
 
 #: Table columns: (name, tag, window, higher is better; None: neither). Windows are those of
 #: :func:`score`: "first"/"final" the mean of the first or last ``--window`` values of the series,
@@ -453,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output folder (reused to resume)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--lags", type=int, nargs="+", default=[0, 8, 4], help="in run order")
-    parser.add_argument("--targets", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--targets", nargs="+", default=DEFAULT_TARGETS, choices=list(TARGETS))
     parser.add_argument("--steps", type=int, default=200, help="rollout steps per cell")
     parser.add_argument("--every", type=int, default=20, help="validate every this many steps")
     parser.add_argument("--window", type=int, default=20, help="final window of rollout/reward")

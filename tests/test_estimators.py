@@ -65,6 +65,8 @@ def test_every_flag_changes_the_target(cls, default, changed):
         (BRACE, {"k": 2.5}, "k"),
         (BRACE, {"c_bar": 0.0}, "c_bar"),
         (BRACE, {"mc_tail": "yes"}, "mc_tail"),
+        (BRACE, {"rho_in_advantage": 1}, "rho_in_advantage"),
+        (VTrace, {"rho_in_advantage": None}, "rho_in_advantage"),
     ],
 )
 def test_invalid_hyperparameters_raise_naming_the_argument(cls, kwargs, name):
@@ -75,7 +77,8 @@ def test_invalid_hyperparameters_raise_naming_the_argument(cls, kwargs, name):
 def test_repr_lists_hyperparameters():
     assert (
         repr(BRACE(k=7))
-        == "BRACE(gamma=1.0, lmbda=1.0, rho_bar=1.2, c_bar=1.1, k=7, mc_tail=True, log_budget=None)"
+        == "BRACE(gamma=1.0, lmbda=1.0, rho_bar=1.2, c_bar=1.1, k=7, mc_tail=True, log_budget=None, "
+        "rho_in_advantage=False)"
     )
 
 

@@ -79,6 +79,12 @@ def test_targets_differ_only_in_their_target_arguments(tmp_path: Path) -> None:
     notail = overlays["brace_notail"]["model"]["value_target"]["init_args"]
     assert notail.pop("mc_tail") is False
     assert overlays["brace"]["model"]["value_target"]["init_args"] == {**notail, "mc_tail": True}
+    # the ρ ablations change the advantage's ρ factor of their base target, nothing else
+    for name, base, flag in (("brace_rho", "brace", True), ("vtrace_norho", "vtrace", False)):
+        paths = {n: ROOT / "configs" / "targets" / f"{n}.yaml" for n in (name, base)}
+        ablation, original = (yaml.safe_load(paths[n].read_text())["model"] for n in (name, base))
+        assert ablation["value_target"]["init_args"].pop("rho_in_advantage") is flag
+        assert ablation == original
 
 
 def tiny_recipe(path: Path) -> Path:

@@ -402,3 +402,45 @@ def test_gae_and_vtrace_property_random_masks(case):
     ref = reference_targets("vtrace", rewards, values, mask, target, behavior, **kw_v)
     assert_close(out.returns, ref[1], torch.float64)
     assert_close(out.advantages, ref[0], torch.float64)
+
+
+@pytest.mark.parametrize("rho_bar, c_bar", CLIPS)
+def test_rho_in_advantage_scales_only_the_advantage_by_the_truncated_weight(rho_bar, c_bar):
+    """V-trace's advantage is IMPALA's ρ_s (r_s + γ v_{s+1} − V_s), BRACE's the paper's unscaled
+    one; either can take the other's, and the critic's target never changes."""
+    mask = layout_mask()
+    rewards, values, target, behavior = random_inputs(mask, seed=5, scale=0.7)
+    rho = (target - behavior).exp().clamp(max=rho_bar)
+    kw = dict(gamma=0.99, lmbda=0.95, rho_bar=rho_bar, c_bar=c_bar)
+    for kind, default, extra in [
+        ("vtrace", True, {}),
+        ("brace", False, {"k": 5}),
+        ("brace", False, {"k": 5, "mc_tail": False}),
+    ]:
+        args = (rewards, values, target, behavior, mask)
+        scaled = run(kind, *args, **kw, **extra, rho_in_advantage=True)
+        plain = run(kind, *args, **kw, **extra, rho_in_advantage=False)
+        assert_close(scaled.returns, plain.returns, torch.float64)
+        assert_close(
+            scaled.advantages, torch.where(mask, rho * plain.advantages, 0.0), torch.float64
+        )
+        assert not torch.allclose(scaled.advantages, plain.advantages)  # ρ ≠ 1 on some actions
+        default_out = run(kind, *args, **kw, **extra)
+        assert torch.equal(default_out.advantages, (scaled if default else plain).advantages)
+
+
+def test_uncapped_brace_with_rho_in_its_advantage_is_vtrace_in_both_outputs():
+    mask = layout_mask()
+    rewards, values, target, behavior = random_inputs(mask, seed=6, scale=0.5)
+    kw = dict(gamma=0.98, lmbda=0.9, rho_bar=1.2, c_bar=1.1)
+    vt = vtrace(rewards, values, target, behavior, mask, **kw)
+    br = brace(rewards, values, target, behavior, mask, **kw, k=None, rho_in_advantage=True)
+    assert_close(br.returns, vt.returns, torch.float64)
+    assert_close(br.advantages, vt.advantages, torch.float64)
+
+
+@pytest.mark.parametrize("kind", ["vtrace", "brace"])
+def test_rho_in_advantage_must_be_a_bool(kind):
+    mask = layout_mask()
+    with pytest.raises(ValueError, match=r"^rho_in_advantage must be a bool; got 'yes'\.$"):
+        run(kind, *random_inputs(mask), mask, rho_in_advantage="yes")

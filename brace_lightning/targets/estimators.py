@@ -82,7 +82,13 @@ class VTrace(ValueTarget):
     """IMPALA's V-trace target with λ (uncapped importance-weight products)."""
 
     def __init__(
-        self, *, gamma: float = 1.0, lmbda: float = 1.0, rho_bar: float = 1.0, c_bar: float = 1.0
+        self,
+        *,
+        gamma: float = 1.0,
+        lmbda: float = 1.0,
+        rho_bar: float = 1.0,
+        c_bar: float = 1.0,
+        rho_in_advantage: bool = True,
     ) -> None:
         """
         Args:
@@ -90,14 +96,18 @@ class VTrace(ValueTarget):
             lmbda: trace λ, in [0, 1] (c_i = λ·min(c̄, w_i)).
             rho_bar: truncation ρ̄ of the per-residual weight ρ_t = min(ρ̄, π/µ), > 0.
             c_bar: truncation c̄ of the trace weights, 0 < c̄ ≤ ρ̄.
+            rho_in_advantage: the actor's advantage is ρ_s (r_s + γ v_{s+1} − V_s), IMPALA's
+                (default); False drops ρ_s, leaving the actor-side correction to the objective.
         """
         F.check_discount("gamma", gamma)
         F.check_discount("lmbda", lmbda)
         F.check_truncation(rho_bar, c_bar)
+        F.check_flag("rho_in_advantage", rho_in_advantage)
         self.gamma = gamma
         self.lmbda = lmbda
         self.rho_bar = rho_bar
         self.c_bar = c_bar
+        self.rho_in_advantage = rho_in_advantage
 
     def __call__(
         self,
@@ -118,6 +128,7 @@ class VTrace(ValueTarget):
             lmbda=self.lmbda,
             rho_bar=self.rho_bar,
             c_bar=self.c_bar,
+            rho_in_advantage=self.rho_in_advantage,
         )
 
 
@@ -134,6 +145,7 @@ class BRACE(ValueTarget):
         k: int | None = 100,
         mc_tail: bool = True,
         log_budget: float | None = None,
+        rho_in_advantage: bool = False,
     ) -> None:
         """
         Args:
@@ -148,14 +160,17 @@ class BRACE(ValueTarget):
             log_budget: also end each correction window, before k, where a trace product leaves
                 ``exp(±log_budget)`` (a cap set by the drift, not by a token count; not in the
                 paper); None (default) keeps the fixed cap k only.
+            rho_in_advantage: scale the actor's advantage by ρ_s = min(ρ̄, π/µ) as V-trace does
+                (not in the paper, default False: the actor objective makes the actor-side
+                correction); with k = None, BRACE is then V-trace in both outputs.
         """
         F.check_discount("gamma", gamma)
         F.check_discount("lmbda", lmbda)
         F.check_truncation(rho_bar, c_bar)
         F.check_cap(k)
         F.check_log_budget(log_budget)
-        if not isinstance(mc_tail, bool):
-            raise ValueError(f"mc_tail must be a bool; got {mc_tail!r}.")
+        F.check_flag("mc_tail", mc_tail)
+        F.check_flag("rho_in_advantage", rho_in_advantage)
         self.gamma = gamma
         self.lmbda = lmbda
         self.rho_bar = rho_bar
@@ -163,6 +178,7 @@ class BRACE(ValueTarget):
         self.k = k
         self.mc_tail = mc_tail
         self.log_budget = log_budget
+        self.rho_in_advantage = rho_in_advantage
 
     def __call__(
         self,
@@ -186,4 +202,5 @@ class BRACE(ValueTarget):
             k=self.k,
             mc_tail=self.mc_tail,
             log_budget=self.log_budget,
+            rho_in_advantage=self.rho_in_advantage,
         )

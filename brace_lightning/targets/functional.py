@@ -34,6 +34,7 @@ __all__ = [
     "check_discount",
     "check_truncation",
     "check_cap",
+    "check_flag",
     "check_log_budget",
     "gae",
     "vtrace",
@@ -75,6 +76,12 @@ def check_cap(k: int | None) -> None:
     """Raise ValueError unless the correction cap ``k`` is an int ≥ 0 (or None for no cap)."""
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"k must be an integer >= 0 or None (no cap); got {k!r}.")
+
+
+def check_flag(name: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is a bool (``name`` is the argument it came from)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool; got {value!r}.")
 
 
 def check_log_budget(log_budget: float | None) -> None:
@@ -469,6 +476,7 @@ def vtrace(
     lmbda: float = 1.0,
     rho_bar: float = 1.0,
     c_bar: float = 1.0,
+    rho_in_advantage: bool = True,
 ) -> ValueTargets:
     """V-trace (Espeholt et al. 2018, eq. 1) with λ, over action steps.
 
@@ -486,7 +494,10 @@ def vtrace(
         behavior_logprobs: ``[B, T]`` log µ recorded by the engine.
         mask: ``[B, T]`` bool, True at actions.
         gamma, lmbda: in [0, 1].  rho_bar, c_bar: truncation levels, 0 < c̄ ≤ ρ̄.
+        rho_in_advantage: scale the advantage by ρ_s (IMPALA's policy-gradient advantage, default);
+            False leaves the actor-side correction to the actor objective, as BRACE does.
     """
+    check_flag("rho_in_advantage", rho_in_advantage)
     return _corrected_targets(
         rewards,
         values,
@@ -499,7 +510,7 @@ def vtrace(
         c_bar=c_bar,
         k=None,
         mc_tail=False,
-        rho_in_advantage=True,
+        rho_in_advantage=rho_in_advantage,
     )
 
 
@@ -517,6 +528,7 @@ def brace(
     k: int | None = 100,
     mc_tail: bool = True,
     log_budget: float | None = None,
+    rho_in_advantage: bool = False,
 ) -> ValueTargets:
     """BRACE: k-capped importance-weighted Bellman residuals plus an anchored Monte-Carlo tail.
 
@@ -541,7 +553,11 @@ def brace(
             |log Π_{i=s}^{s+m−1} c_i| ≤ log_budget for every m ≤ n, so the cap adapts to how fast
             the truncated products drift (fast drift: short windows, more Monte-Carlo tail; no
             drift: up to k). ``c_i`` includes λ. None (default): the fixed cap k only (the paper).
+        rho_in_advantage: scale the advantage by ρ_s = min(ρ̄, w_s) as V-trace does (not in the
+            paper, whose actor-side correction is the actor objective's; default False). With
+            k = None it makes BRACE V-trace in both outputs.
     """
+    check_flag("rho_in_advantage", rho_in_advantage)
     return _corrected_targets(
         rewards,
         values,
@@ -554,6 +570,6 @@ def brace(
         c_bar=c_bar,
         k=k,
         mc_tail=mc_tail,
-        rho_in_advantage=False,
+        rho_in_advantage=rho_in_advantage,
         log_budget=log_budget,
     )
