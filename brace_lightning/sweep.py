@@ -315,7 +315,8 @@ def plot(rows: list[dict[str, Any]], path: Path, metric: str) -> None:
 
 
 def _panels(logs: Logs) -> dict[str, dict[str, list[dict[str, Any]]]]:
-    """Finished logs grouped as panel (the setting without its target) → target → logs."""
+    """Finished logs grouped as panel (the setting without its target) → target → logs, panels in
+    the grid's order (T = 64 before 256 before 1024, not sorted as text)."""
     panels: dict[str, dict[str, list[dict[str, Any]]]] = {}
     for cell, log in logs:
         panel = ",".join(
@@ -359,7 +360,7 @@ def plot_curves(logs: Logs, metric: str, path: Path) -> None:
 
     panels = _panels(logs)
     fig, axes = _figure(len(panels))
-    for ax, (panel, by_target) in zip(axes, sorted(panels.items()), strict=True):
+    for ax, (panel, by_target) in zip(axes, panels.items(), strict=True):
         for target, logs in sorted(by_target.items()):
             mean, low, high = _mean_band([log[metric] for log in logs])
             steps = range(len(mean))
@@ -380,7 +381,7 @@ def plot_beta(logs: Logs, fraction: float, path: Path) -> None:
 
     panels = _panels(logs)
     fig, axes = _figure(len(panels))
-    for ax, (panel, by_target) in zip(axes, sorted(panels.items()), strict=True):
+    for ax, (panel, by_target) in zip(axes, panels.items(), strict=True):
         for target, logs in sorted(by_target.items()):
             per_seed = []
             for log in logs:

@@ -2,7 +2,8 @@
 # Regenerate every closed-loop figure and table of docs/results.md:
 #   bash scripts/sim_results.sh [OUT_DIR] [WORKERS]
 # Runs the eight grids of sweeps/sim_*.yaml (resumable: finished cells are skipped), then copies each
-# grid's summary.md and PNGs to docs/figures/<grid>/. About an hour of one CPU core in all.
+# grid's summary.md and PNGs to docs/figures/<grid>/. About two hours of one CPU core in all (one
+# of them the k-horizon grid's T = 4096 row).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-runs/sim}
