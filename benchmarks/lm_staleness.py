@@ -15,6 +15,10 @@ target runs with the recipe's hyperparameters; only the target class differs:
 A cell writes its TensorBoard events under ``OUT/cells/lag<S>/<target>/seed<N>/`` and, when the run
 exits cleanly, a ``done.json`` marker; cells with a marker are skipped, so a rerun resumes. Cells run
 one at a time by default (``--workers``), each with one torch thread (``OMP_NUM_THREADS=1``).
+``--launcher submitit`` sends the warm start and then every cell as one job each through submitit
+(SLURM where ``sbatch`` exists, else local processes; ``--cluster local`` forces those), with the
+executor's parameters from ``--job KEY=VALUE`` (e.g. ``slurm_partition=cpu timeout_min=60
+cpus_per_task=1``); its logs go to ``OUT/submitit/``. The cells and markers are the same either way.
 
 Aggregation, per (S, target) over seeds: the first-, final- and worst-window means of
 ``rollout/reward`` (higher is better), the last ``val/reward`` and the last ``val/value_gap_mc``
@@ -204,6 +208,43 @@ def run_cell(
     seconds = time.monotonic() - start
     marker.write_text(json.dumps({"cell": cell.__dict__, "seconds": seconds, "args": args}))
     return "done"
+
+
+def job_parameters(pairs: Sequence[str]) -> dict[str, object]:
+    """``KEY=VALUE`` strings as submitit executor parameters (integers where the value is one)."""
+    parameters: dict[str, object] = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--job takes KEY=VALUE pairs such as timeout_min=60; got {pair!r}.")
+        parameters[key] = int(value) if value.lstrip("-").isdigit() else value
+    return parameters
+
+
+def submit_grid(
+    cells: Sequence[Cell],
+    out: Path,
+    *,
+    cluster: str | None,
+    parameters: dict[str, object],
+    steps: int,
+    every: int,
+    recipe: Path,
+    extra: Sequence[str],
+) -> list[tuple[Cell, str]]:
+    """The warm start, then one submitit job per cell (all queued at once); waits for every job
+    and returns each cell's status as :func:`run_cell` gives it. Jobs run this checkout's
+    ``run_cell`` in a process started from the current directory (the repository root)."""
+    import submitit
+
+    executor = submitit.AutoExecutor(folder=out / "submitit" / "%j", cluster=cluster)
+    executor.update_parameters(name="lm_staleness", **parameters)
+    executor.submit(warm_start, out, recipe, extra).result()
+    jobs = [
+        executor.submit(run_cell, cell, out, steps=steps, every=every, recipe=recipe, extra=extra)
+        for cell in cells
+    ]
+    return [(cell, job.result()) for cell, job in zip(cells, jobs, strict=True)]
 
 
 def read_cell(folder: Path) -> dict[str, list[tuple[int, float]]]:
@@ -467,15 +508,50 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--workers", type=int, default=1, help="cells run at the same time")
     parser.add_argument("--config", type=Path, default=RECIPE, help="the recipe")
     parser.add_argument("--aggregate-only", action="store_true", help="run no cell")
+    parser.add_argument(
+        "--launcher",
+        choices=["local", "submitit"],
+        default="local",
+        help="run cells in --workers local threads, or as submitit jobs (SLURM on a cluster)",
+    )
+    parser.add_argument(
+        "--cluster",
+        default=None,
+        choices=["slurm", "local", "debug"],
+        help="submitit's cluster (default: SLURM where available, else local processes)",
+    )
+    parser.add_argument(
+        "--job",
+        nargs="*",
+        default=[],
+        metavar="KEY=VALUE",
+        help="submitit executor parameters, e.g. slurm_partition=cpu timeout_min=60",
+    )
     parser.add_argument("extra", nargs="*", help="more CLI overrides for every cell, after --")
     args = parser.parse_args(argv)
     if args.steps < args.every or args.steps % args.every:
         parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}).")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1; got {args.workers}.")
+    try:
+        parameters = job_parameters(args.job)
+    except ValueError as error:
+        parser.error(str(error))
     cells = grid(args.lags, args.targets, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.aggregate_only:
+    if not args.aggregate_only and args.launcher == "submitit":
+        for cell, status in submit_grid(
+            cells,
+            args.out,
+            cluster=args.cluster,
+            parameters=parameters,
+            steps=args.steps,
+            every=args.every,
+            recipe=args.config,
+            extra=args.extra,
+        ):
+            print(f"{time.strftime('%H:%M:%S')} {cell}: {status}", flush=True)
+    elif not args.aggregate_only:
         warm_start(args.out, args.config, args.extra)
 
         def one(cell: Cell) -> None:

@@ -146,3 +146,36 @@ def test_grid_runs_resumes_and_tabulates(tmp_path: Path, capsys: pytest.CaptureF
     printed = capsys.readouterr().out
     assert all(f"{cell}: skipped" in printed for cell in cells)
     assert "missing cells" not in printed
+
+
+def test_job_parameters_parse_key_value_pairs_and_name_a_bad_one() -> None:
+    assert lm_staleness.job_parameters(["slurm_partition=cpu", "timeout_min=60"]) == {
+        "slurm_partition": "cpu",
+        "timeout_min": 60,
+    }
+    with pytest.raises(ValueError, match=r"^--job takes KEY=VALUE pairs .*; got 'timeout_min'\.$"):
+        lm_staleness.job_parameters(["timeout_min"])
+
+
+@pytest.mark.slow
+def test_the_grid_runs_as_submitit_jobs_and_resumes(tmp_path: Path, capsys) -> None:
+    """``--launcher submitit`` with submitit's local cluster: real jobs (pickled ``run_cell`` calls
+    in fresh processes), the same cells and markers as the local threads, logs under submitit/."""
+    recipe = tiny_recipe(tmp_path / "tiny.yaml")
+    out = tmp_path / "grid"
+    fake_warm_start(out)
+    argv = ["--out", str(out), "--config", str(recipe), "--seeds", "0", "--lags", "1"]
+    argv += ["--targets", "gae", "vtrace", "--steps", "2", "--every", "1", "--window", "2"]
+    argv += ["--launcher", "submitit", "--cluster", "local", "--job", "timeout_min=10"]
+    lm_staleness.main(argv)
+    printed = capsys.readouterr().out
+    cells = [Cell(1, "gae", 0), Cell(1, "vtrace", 0)]
+    for cell in cells:
+        assert f"{cell}: done" in printed
+        assert (cell.folder(out) / "done.json").exists()
+        assert len(lm_staleness.read_cell(cell.folder(out))["rollout/reward"]) == 2
+    assert len(list((out / "submitit").rglob("*_log.out"))) == 3  # the warm start, two cells
+    assert "missing cells" not in printed
+    lm_staleness.main(argv)  # rerun: each job finds its cell's marker
+    printed = capsys.readouterr().out
+    assert all(f"{cell}: skipped" in printed for cell in cells)
