@@ -530,6 +530,11 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}).")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1; got {args.workers}.")
+    if args.launcher == "local" and (args.cluster or args.job):
+        parser.error(
+            f"--cluster and --job configure --launcher submitit; got --cluster {args.cluster} "
+            f"--job {' '.join(args.job) or '(none)'} with --launcher local"
+        )
     try:
         parameters = job_parameters(args.job)
     except ValueError as error:

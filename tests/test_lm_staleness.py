@@ -157,6 +157,17 @@ def test_job_parameters_parse_key_value_pairs_and_name_a_bad_one() -> None:
         lm_staleness.job_parameters(["timeout_min"])
 
 
+def test_submitit_options_without_the_submitit_launcher_are_one_error(tmp_path, capsys) -> None:
+    """--cluster and --job would be ignored by the local threads: refused, not dropped."""
+    with pytest.raises(SystemExit):
+        lm_staleness.main(["--out", str(tmp_path), "--job", "timeout_min=10"])
+    assert (
+        "--cluster and --job configure --launcher submitit; got --cluster None --job "
+        "timeout_min=10 with --launcher local" in capsys.readouterr().err
+    )
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
 @pytest.mark.slow
 def test_the_grid_runs_as_submitit_jobs_and_resumes(tmp_path: Path, capsys) -> None:
     """``--launcher submitit`` with submitit's local cluster: real jobs (pickled ``run_cell`` calls
