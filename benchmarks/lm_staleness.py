@@ -37,6 +37,7 @@ per S, mean with a shaded interval)::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -44,7 +45,7 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -223,27 +224,23 @@ def job_parameters(pairs: Sequence[str]) -> dict[str, object]:
 
 def submit_grid(
     cells: Sequence[Cell],
-    out: Path,
+    warm: Callable[[], None],
+    run: Callable[[Cell], str],
     *,
+    folder: Path,
     cluster: str | None,
     parameters: dict[str, object],
-    steps: int,
-    every: int,
-    recipe: Path,
-    extra: Sequence[str],
 ) -> list[tuple[Cell, str]]:
-    """The warm start, then one submitit job per cell (all queued at once); waits for every job
-    and returns each cell's status as :func:`run_cell` gives it. Jobs run this checkout's
-    ``run_cell`` in a process started from the current directory (the repository root)."""
+    """``warm()``, then one submitit job ``run(cell)`` per cell (all queued at once), logs under
+    ``folder``; waits for every job and returns each cell's status as :func:`run_cell` gives it.
+    Jobs run this checkout's functions in a process started from the current directory (the
+    repository root)."""
     import submitit
 
-    executor = submitit.AutoExecutor(folder=out / "submitit" / "%j", cluster=cluster)
+    executor = submitit.AutoExecutor(folder=folder / "%j", cluster=cluster)
     executor.update_parameters(name="lm_staleness", **parameters)
-    executor.submit(warm_start, out, recipe, extra).result()
-    jobs = [
-        executor.submit(run_cell, cell, out, steps=steps, every=every, recipe=recipe, extra=extra)
-        for cell in cells
-    ]
+    executor.submit(warm).result()
+    jobs = [executor.submit(run, cell) for cell in cells]
     return [(cell, job.result()) for cell, job in zip(cells, jobs, strict=True)]
 
 
@@ -533,42 +530,51 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}).")
     if args.workers < 1:
         parser.error(f"--workers must be >= 1; got {args.workers}.")
+    if args.launcher == "local" and (args.cluster or args.job):
+        parser.error(
+            f"--cluster and --job configure --launcher submitit; got --cluster {args.cluster} "
+            f"--job {' '.join(args.job) or '(none)'} with --launcher local"
+        )
     try:
         parameters = job_parameters(args.job)
     except ValueError as error:
         parser.error(str(error))
     cells = grid(args.lags, args.targets, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
-    if not args.aggregate_only and args.launcher == "submitit":
-        for cell, status in submit_grid(
-            cells,
-            args.out,
-            cluster=args.cluster,
-            parameters=parameters,
+    if not args.aggregate_only:
+        warm = functools.partial(warm_start, args.out, args.config, args.extra)
+        run = functools.partial(
+            run_cell,
+            out=args.out,
             steps=args.steps,
             every=args.every,
             recipe=args.config,
             extra=args.extra,
-        ):
-            print(f"{time.strftime('%H:%M:%S')} {cell}: {status}", flush=True)
-    elif not args.aggregate_only:
-        warm_start(args.out, args.config, args.extra)
-
-        def one(cell: Cell) -> None:
-            start = time.monotonic()
-            status = run_cell(
-                cell,
-                args.out,
-                steps=args.steps,
-                every=args.every,
-                recipe=args.config,
-                extra=args.extra,
+        )
+        if args.launcher == "submitit":
+            submitted = submit_grid(
+                cells,
+                warm,
+                run,
+                folder=args.out / "submitit",
+                cluster=args.cluster,
+                parameters=parameters,
             )
-            seconds = time.monotonic() - start
-            print(f"{time.strftime('%H:%M:%S')} {cell}: {status} in {seconds:.0f} s", flush=True)
+            for cell, status in submitted:
+                print(f"{time.strftime('%H:%M:%S')} {cell}: {status}", flush=True)
+        else:
+            warm()
 
-        with ThreadPoolExecutor(args.workers) as pool:
-            list(pool.map(one, cells))
+            def one(cell: Cell) -> None:
+                start = time.monotonic()
+                status = run(cell)
+                seconds = time.monotonic() - start
+                print(
+                    f"{time.strftime('%H:%M:%S')} {cell}: {status} in {seconds:.0f} s", flush=True
+                )
+
+            with ThreadPoolExecutor(args.workers) as pool:
+                list(pool.map(one, cells))
     text, missing = aggregate_grid(cells, args.out, window=args.window, smooth=args.smooth)
     print(text)
     if missing:

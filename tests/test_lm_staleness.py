@@ -157,6 +157,66 @@ def test_job_parameters_parse_key_value_pairs_and_name_a_bad_one() -> None:
         lm_staleness.job_parameters(["timeout_min"])
 
 
+def test_submitit_options_without_the_submitit_launcher_are_one_error(tmp_path, capsys) -> None:
+    """--cluster and --job would be ignored by the local threads: refused, not dropped."""
+    with pytest.raises(SystemExit):
+        lm_staleness.main(["--out", str(tmp_path), "--job", "timeout_min=10"])
+    assert (
+        "--cluster and --job configure --launcher submitit; got --cluster None --job "
+        "timeout_min=10 with --launcher local" in capsys.readouterr().err
+    )
+    assert not any(tmp_path.iterdir())  # nothing ran, nothing was written
+
+
+def test_submit_grid_hands_the_cluster_and_job_parameters_to_submitit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A recording stand-in for submitit's executor (isolates the hand-over; the real executor
+    runs in the test below): --cluster and --job reach it, the warm start goes first."""
+    import submitit
+
+    seen: dict[str, object] = {}
+    calls: list[object] = []
+
+    class Done:
+        def __init__(self, value: object) -> None:
+            self.value = value
+
+        def result(self) -> object:
+            return self.value
+
+    class Recorder:
+        def __init__(self, folder: Path, cluster: str | None) -> None:
+            seen.update(folder=folder, cluster=cluster)
+
+        def update_parameters(self, **parameters: object) -> None:
+            seen.update(parameters)
+
+        def submit(self, fn, *args):
+            calls.append(args[0] if args else "warm")
+            return Done(fn(*args))
+
+    monkeypatch.setattr(submitit, "AutoExecutor", Recorder)
+    cells = [Cell(1, "gae", 0), Cell(1, "vtrace", 0)]
+    statuses = lm_staleness.submit_grid(
+        cells,
+        lambda: None,
+        lambda cell: f"ran {cell.target}",
+        folder=tmp_path,
+        cluster="debug",
+        parameters=lm_staleness.job_parameters(["slurm_partition=cpu", "timeout_min=60"]),
+    )
+    assert seen == {
+        "folder": tmp_path / "%j",
+        "cluster": "debug",
+        "name": "lm_staleness",
+        "slurm_partition": "cpu",
+        "timeout_min": 60,
+    }
+    assert calls == ["warm", *cells]
+    assert statuses == [(cells[0], "ran gae"), (cells[1], "ran vtrace")]
+
+
 @pytest.mark.slow
 def test_the_grid_runs_as_submitit_jobs_and_resumes(tmp_path: Path, capsys) -> None:
     """``--launcher submitit`` with submitit's local cluster: real jobs (pickled ``run_cell`` calls
