@@ -13,7 +13,9 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
    same shape with a value head), micro-batch by micro-batch:
 
    a. ``padded``: rows in arrival order, ``--padded-rows`` per micro-batch padded to the longest,
-      full logits (the trainer before token budgets and chunked log-probs);
+      full logits (the trainer before token budgets and chunked log-probs), or chunked log-probs
+      with ``--padded-logprobs chunked`` (padding alone against packing, where the full logits of
+      a padded micro-batch do not fit);
    b. ``one``: the whole minibatch as one micro-batch padded to its longest row, chunked log-probs
       (``BraceModule``'s defaults: no row cap, no budget);
    c. ``budget``: rows sorted by length in micro-batches of at most ``--max-tokens`` padded tokens
@@ -201,6 +203,8 @@ def cases(
         for name, (kind, chunked, packed) in BATCH_CASES.items():
             if name != "batch/padded" and name.split("/")[1] not in args.plans:
                 continue
+            if name == "batch/padded":
+                chunked = args.padded_logprobs == "chunked"
             out[name] = (
                 lambda p=plans[kind], s=args.chunk_size if chunked else None, k=packed: (
                     minibatch_update(model, critic, ids, mask, adv, p, s, k)
@@ -234,6 +238,12 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="minibatch rows (0 = skip part 2)")
     parser.add_argument("--batch-lengths", type=positive_int, nargs=2, default=[64, 4096])
     parser.add_argument("--padded-rows", type=positive_int, default=2)
+    parser.add_argument(
+        "--padded-logprobs",
+        choices=PATHS,
+        default="full",
+        help="log-probs of part 2's padded baseline",
+    )
     parser.add_argument("--max-tokens", type=positive_int, default=4096)
     parser.add_argument(
         "--plans",
@@ -479,7 +489,10 @@ def print_batch_table(
     )
     print("|---|---|---|---|---|---|---|")
     labels = {
-        "batch/padded": f"{args.padded_rows} rows in arrival order, padded, full logits",
+        "batch/padded": (
+            f"{args.padded_rows} rows in arrival order, padded, "
+            + ("full logits" if args.padded_logprobs == "full" else "chunked")
+        ),
         "batch/one": "all rows in one micro-batch, padded, chunked",
         "batch/budget": f"sorted, {args.max_tokens} padded-token budget, chunked",
         "batch/packed": f"sorted, {args.max_tokens} real-token budget, packed, chunked",

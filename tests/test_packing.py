@@ -5,6 +5,7 @@ throughput benchmark (``benchmarks/long_responses.py``)."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import subprocess
@@ -449,3 +450,34 @@ def test_the_train_step_benchmark_times_padded_and_both_packed_attentions() -> N
     for row in rows:
         step, update, forward, ratio = (float(x) for x in row.strip("| ").split(" | ")[1:])
         assert step > 0 and update > 0 and forward > 0 and ratio > 0
+
+
+@pytest.mark.parametrize(("padded_logprobs", "chunk"), [("full", None), ("chunked", 8)])
+def test_the_long_responses_padded_baseline_takes_the_log_probs_path_it_is_given(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    padded_logprobs: str,
+    chunk: int | None,
+) -> None:
+    from benchmarks import long_responses
+
+    args = argparse.Namespace(
+        lengths=[], rows=3, batch_lengths=[4, 16], seed=0, device="cpu", paths=["full"],
+        padded_rows=2, max_tokens=32, plans=[], chunk_size=8, padded_logprobs=padded_logprobs,
+    )  # fmt: skip
+    model = long_responses.load_causal_lm(long_responses.qwen25_05b_config(1, 17, 64), seed=0)
+    sizes: list[int | None] = []
+
+    def recording(*a: Any, chunk_size: int | None = None, **kw: Any) -> Any:
+        sizes.append(chunk_size)
+        return token_logprobs(*a, chunk_size=chunk_size, **kw)
+
+    monkeypatch.setattr(long_responses, "token_logprobs", recording)
+    measured = long_responses.cases(args, model, None)
+    assert list(measured) == ["batch/padded"]
+    measured["batch/padded"][0]()
+    assert sizes == [chunk, chunk]  # two micro-batches of at most 2 rows, both on the given path
+    args.critic = False
+    long_responses.print_batch_table(args, {"batch/padded": 1.0}, {"batch/padded": None})
+    label = "full logits" if padded_logprobs == "full" else "chunked"
+    assert f"| 2 rows in arrival order, padded, {label} | 2 |" in capsys.readouterr().out
