@@ -6,6 +6,12 @@ Each raises ValueError with one sentence naming the argument, the value and what
 from __future__ import annotations
 
 
+def require_bool(name: str, value: object) -> None:
+    """Raise ValueError unless ``value`` is a bool (``name`` is the argument it came from)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool; got {value!r}.")
+
+
 def require_int(name: str, value: object, low: int) -> None:
     """Raise ValueError unless ``value`` is an int (not a bool) and at least ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:

@@ -45,7 +45,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from transformers import AutoConfig
 
-from brace_lightning.checks import require_int
+from brace_lightning.checks import require_bool, require_int
 from brace_lightning.console import quiet_lightning
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.hparams import from_config, log_final_hparams, to_config
@@ -249,8 +249,7 @@ class BraceModule(pl.LightningModule):
                 raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
-        if not isinstance(pack_sequences, bool):
-            raise ValueError(f"pack_sequences must be True or False; got {pack_sequences!r}.")
+        require_bool("pack_sequences", pack_sequences)
         if isinstance(kl_coef, bool) or not (
             isinstance(kl_coef, int | float) and 0.0 <= kl_coef < math.inf
         ):

@@ -401,6 +401,7 @@ def test_on_step_hook_installs_weights_between_decoding_steps():
         ({"producer_timeout": 0}, "producer_timeout must be > 0 seconds; got 0."),
         ({"producer_threads": 0}, "producer_threads must be an integer >= 1; got 0."),
         ({"interruptible": True, "lag_mode": "fixed"}, "interruptible=True needs lag_mode='async'"),
+        ({"interruptible": "yes"}, "interruptible must be a bool; got 'yes'."),
     ],
 )
 def test_bad_arguments_fail_with_one_sentence(kwargs, message):

@@ -280,6 +280,8 @@ def test_staleness_histogram_rejects_bad_inputs() -> None:
         metric.update(torch.zeros(1, 2), mask, trainer_version=1)
     with pytest.raises(ValueError, match="max_bucket"):
         StalenessHistogram(max_bucket=-1)
+    with pytest.raises(ValueError, match=r"^per_token must be a bool; got 1\.$"):
+        StalenessHistogram(per_token=1)
     with pytest.warns(UserWarning, match="before the ``update``"):
         assert math.isnan(StalenessHistogram().compute().mean.item())
 

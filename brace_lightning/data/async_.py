@@ -56,7 +56,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
-from brace_lightning.checks import require_int
+from brace_lightning.checks import require_bool, require_int
 from brace_lightning.data.empty import EmptyBatchGuard
 from brace_lightning.data.sync import (
     COUNTERS,
@@ -173,8 +173,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             raise ValueError(f"lag_mode must be 'async' or 'fixed'; got {lag_mode!r}.")
         if producer not in ("process", "thread"):
             raise ValueError(f"producer must be 'process' or 'thread'; got {producer!r}.")
-        if not isinstance(interruptible, bool):
-            raise ValueError(f"interruptible must be a bool; got {interruptible!r}.")
+        require_bool("interruptible", interruptible)
         if interruptible and lag_mode == "fixed":
             raise ValueError(
                 "interruptible=True needs lag_mode='async'; got lag_mode='fixed', whose batches use "

@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 from torchmetrics import Metric
 
+from brace_lightning.checks import require_bool
 from brace_lightning.metrics.functional import check_mask
 
 __all__ = ["ImportanceWeightStats", "StalenessHistogram", "StalenessSummary"]
@@ -191,8 +192,7 @@ class StalenessHistogram(Metric):
         super().__init__(**kwargs)
         if isinstance(max_bucket, bool) or not isinstance(max_bucket, int) or max_bucket < 0:
             raise ValueError(f"max_bucket must be an int >= 0; got {max_bucket!r}.")
-        if not isinstance(per_token, bool):
-            raise ValueError(f"per_token must be a bool; got {per_token!r}.")
+        require_bool("per_token", per_token)
         self.max_bucket = max_bucket
         self.per_token = per_token
         self.add_state(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from brace_lightning.checks import require_bool
 from brace_lightning.targets import functional as F
 from brace_lightning.targets.functional import ValueTargets
 
@@ -102,7 +103,7 @@ class VTrace(ValueTarget):
         F.check_discount("gamma", gamma)
         F.check_discount("lmbda", lmbda)
         F.check_truncation(rho_bar, c_bar)
-        F.check_flag("rho_in_advantage", rho_in_advantage)
+        require_bool("rho_in_advantage", rho_in_advantage)
         self.gamma = gamma
         self.lmbda = lmbda
         self.rho_bar = rho_bar
@@ -169,8 +170,8 @@ class BRACE(ValueTarget):
         F.check_truncation(rho_bar, c_bar)
         F.check_cap(k)
         F.check_log_budget(log_budget)
-        F.check_flag("mc_tail", mc_tail)
-        F.check_flag("rho_in_advantage", rho_in_advantage)
+        require_bool("mc_tail", mc_tail)
+        require_bool("rho_in_advantage", rho_in_advantage)
         self.gamma = gamma
         self.lmbda = lmbda
         self.rho_bar = rho_bar

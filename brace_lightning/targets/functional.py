@@ -28,13 +28,14 @@ from typing import NamedTuple
 
 import torch
 
+from brace_lightning.checks import require_bool
+
 __all__ = [
     "ValueTargets",
     "brace",
     "check_discount",
     "check_truncation",
     "check_cap",
-    "check_flag",
     "check_log_budget",
     "gae",
     "vtrace",
@@ -76,12 +77,6 @@ def check_cap(k: int | None) -> None:
     """Raise ValueError unless the correction cap ``k`` is an int ≥ 0 (or None for no cap)."""
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
         raise ValueError(f"k must be an integer >= 0 or None (no cap); got {k!r}.")
-
-
-def check_flag(name: str, value: object) -> None:
-    """Raise ValueError unless ``value`` is a bool (``name`` is the argument it came from)."""
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool; got {value!r}.")
 
 
 def check_log_budget(log_budget: float | None) -> None:
@@ -497,7 +492,7 @@ def vtrace(
         rho_in_advantage: scale the advantage by ρ_s (IMPALA's policy-gradient advantage, default);
             False leaves the actor-side correction to the actor objective, as BRACE does.
     """
-    check_flag("rho_in_advantage", rho_in_advantage)
+    require_bool("rho_in_advantage", rho_in_advantage)
     return _corrected_targets(
         rewards,
         values,
@@ -557,7 +552,7 @@ def brace(
             paper, whose actor-side correction is the actor objective's; default False). With
             k = None it makes BRACE V-trace in both outputs.
     """
-    check_flag("rho_in_advantage", rho_in_advantage)
+    require_bool("rho_in_advantage", rho_in_advantage)
     return _corrected_targets(
         rewards,
         values,

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 import torch
 
+from brace_lightning.checks import require_bool
 from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import GeneratedTask, Prompt, RewardFunction
 
@@ -109,8 +110,7 @@ class ArithmeticTask(GeneratedTask):
         self.max_value = int(max_value)
         self.ops = ops
         self.seed = run_seed(seed)
-        if not isinstance(tool_calls, bool):
-            raise ValueError(f"tool_calls must be a bool; got {tool_calls!r}.")
+        require_bool("tool_calls", tool_calls)
         self.tool_calls = tool_calls
 
     def draw(self, generator: torch.Generator) -> Prompt:
