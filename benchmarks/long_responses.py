@@ -276,7 +276,13 @@ def main() -> None:
     parser.add_argument("--ladder-start", type=positive_int, default=4096)
     parser.add_argument("--max-length", type=positive_int, default=32_768)
     parser.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--paths", nargs="+", default=PATHS, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--paths",
+        nargs="+",
+        choices=PATHS,
+        default=PATHS,
+        help="part 1's and part 3's log-prob paths (e.g. one more rung of the chunked ladder)",
+    )
     args = parser.parse_args()
     if args.rows < 0:
         parser.error(f"--rows must be >= 0; got {args.rows}")
@@ -334,13 +340,16 @@ def main() -> None:
         print("| T | path | median s | peak extra MiB | × full time | full / chunked peak |")
         print("|---|---|---|---|---|---|")
     for length in args.lengths:
-        full, chunked = f"row/{length}/full", f"row/{length}/chunked"
-        for name in (full, chunked):
-            print(
-                f"| {length} | {name.rsplit('/', 1)[1]} | {seconds[name]:.2f} | "
-                f"{memory[name]:.0f} | {seconds[name] / seconds[full]:.2f} | "
-                f"{memory[full] / memory[name]:.2f} |"
+        full = f"row/{length}/full"
+        for path in args.paths:
+            name = f"row/{length}/{path}"
+            # The ratios need the full path measured beside it (``--paths`` may leave it out).
+            ratios = (
+                f"{seconds[name] / seconds[full]:.2f} | {memory[full] / memory[name]:.2f}"
+                if full in seconds
+                else "- | -"
             )
+            print(f"| {length} | {path} | {seconds[name]:.2f} | {memory[name]:.0f} | {ratios} |")
     if args.rows:
         print_batch_table(args, seconds, memory)
 
@@ -446,7 +455,7 @@ def print_largest_table(args: argparse.Namespace) -> None:
         "| first T that did not |"
     )
     print("|---|---|---|---|---|---|")
-    for path in PATHS:
+    for path in args.paths:
         fitted, failed = ["-", "-", "-", "-"], "-"
         for length in ladder(args.ladder_start, args.max_length):
             done = run_mmap_subprocess(

@@ -435,6 +435,10 @@ def test_the_long_responses_benchmark_climbs_the_length_ladder_until_a_rung_fail
     starved = _benchmark("long_responses", *quick.split(), "--memory-gib", "0.3").stdout
     assert "| full | - | - | - | - | 32 (" in starved, starved
     assert "| chunked | - | - | - | - | 32 (" in starved, starved
+    # --paths climbs one path's ladder alone (e.g. one more rung of the chunked one)
+    one = _benchmark("long_responses", *quick.split(), "--memory-gib", "8", "--paths", "chunked")
+    rows = [line for line in one.stdout.splitlines() if line.startswith("| ")][1:]
+    assert [line.split(" | ")[0] for line in rows] == ["| chunked"], one.stdout
 
 
 @pytest.mark.slow
