@@ -48,8 +48,12 @@ SIZE = [
 ]
 WARM_START = ["--trainer.callbacks.init_args.steps=2", "--trainer.callbacks.init_args.num_pairs=64"]
 # Quick-mode arguments of each benchmark a README command runs (small sizes, one thread).
+# Appended after the README's own arguments, so they win (argparse keeps the last value); the
+# long_responses ones also shrink the ladder and part 2 when the README line turns them on.
 BENCHMARK_QUICK_ARGS = {
     "critic_bias": "--horizons 16 --staleness 0 2 --tokens 2048 --threads 1",
+    "long_responses": "--layers 1 --vocab 1000 --lengths 16 --batch-lengths 8 64 --max-tokens 96 "
+    "--repeats 1 --threads 1 --ladder-start 32 --max-length 64 --memory-gib 8",
 }
 # Scripts replaced by a stand-in in the working directory (see the module docstring).
 SETUP_SCRIPTS = ("setup.sh", "install_vllm.sh")
@@ -291,7 +295,7 @@ def run_gpu(line: str, workdir: Path) -> None:
 
 def run_benchmark(line: str, workdir: Path) -> None:
     """Runs the benchmark with its quick-mode arguments; it prints a Markdown table."""
-    module = re.sub(r"\.py$", "", _words(line)[-1].replace("/", ".")).split(".")[-1]
+    module = re.search(r"benchmarks[./](\w+)", line).group(1)
     assert module in BENCHMARK_QUICK_ARGS, f"add {module}'s quick arguments to BENCHMARK_QUICK_ARGS"
     out = run(line, workdir, *BENCHMARK_QUICK_ARGS[module].split()).stdout
     assert re.search(r"^\|---", out, re.MULTILINE), out
@@ -357,7 +361,12 @@ KINDS = [
     Kind("usage-form", r"brace-lightning export --ckpt_path CKPT --out DIR", run_usage_template),
     Kind("quickstart-script", r"bash scripts/quickstart\.sh", run_quickstart_script),
     Kind("test-script", r"bash scripts/test\.sh", check_test_script, slow=False),
-    Kind("benchmark", r"\.venv/bin/python (-m benchmarks\.\w+|benchmarks/\w+\.py)", run_benchmark),
+    Kind(
+        "benchmark",
+        r"(MALLOC_MMAP_THRESHOLD_=\d+ )?\.venv/bin/python (-m benchmarks\.\w+|benchmarks/\w+\.py)"
+        r"( --?[\w-]+( [\w.-]+)*)*",
+        run_benchmark,
+    ),
     Kind("notebooks", r"\.venv/bin/python scripts/execute_tutorials\.py", run_notebook_executor),
     Kind("server", r"\.venv/bin/(tensorboard|jupyter lab) .*", check_server, slow=False),
     Kind("pip-install", r"pip install -e \S+", check_pip_install, slow=False),
