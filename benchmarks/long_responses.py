@@ -37,7 +37,9 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
 alike (``BraceModule(activation_checkpointing=True)``).
 
 Peak memory is measured in a child process whose allocator returns every tensor to the OS (see
-``benchmarks/_timing.py``); ratios compare runs in the same process. ``--device cuda`` runs the same
+``benchmarks/_timing.py``) and whose address space is capped at ``--memory-gib``, as part 3's rungs
+(a case that does not fit ends the benchmark with one sentence, before any timed run); ratios
+compare runs in the same process. ``--device cuda`` runs the same
 on a GPU (peak from the CUDA allocator).
 
     .venv/bin/python -m benchmarks.long_responses --layers 2 --lengths 1024 4096
@@ -58,7 +60,6 @@ import torch
 from transformers import Qwen2Config
 
 from benchmarks._timing import (
-    in_mmap_subprocess,
     interleaved_median_seconds,
     peak_extra_mib,
     positive_int,
@@ -271,7 +272,10 @@ def main() -> None:
         "--largest", action="store_true", help="part 3: the longest row that fits, per path"
     )
     parser.add_argument(
-        "--memory-gib", type=float, default=None, help="part 3's cap (default: MemAvailable)"
+        "--memory-gib",
+        type=float,
+        default=None,
+        help="address-space cap of every memory-measuring child (default: MemAvailable)",
     )
     parser.add_argument("--ladder-start", type=positive_int, default=4096)
     parser.add_argument("--max-length", type=positive_int, default=32_768)
@@ -323,7 +327,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         memory = {name: peak_extra_mib(fn, args.device) for name, (fn, _) in measured.items()}
     else:
-        memory = memory_child(sys.argv[1:])["peak_mib"]
+        memory = memory_child(sys.argv[1:], args.memory_gib or available_memory_gib())["peak_mib"]
     warm_up(model, critic, args)
     seconds = interleaved_median_seconds(
         {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats, warmup=0
@@ -386,10 +390,21 @@ def measure_once(
     return {"baseline_mib": baseline, "peak_mib": peaks, "seconds": seconds}
 
 
-def memory_child(argv: list[str]) -> dict:
+def memory_child(argv: list[str], memory_gib: float) -> dict:
     """:func:`measure_once` of this script run with ``argv`` in a child process whose allocator
-    returns every tensor to the OS (``in_mmap_subprocess``)."""
-    return json.loads(in_mmap_subprocess("benchmarks.long_responses", [*argv, "--memory-child"]))
+    returns every tensor to the OS and whose address space is capped at ``memory_gib`` (as each
+    rung of part 3), so that a case too large for the machine ends the benchmark with one sentence
+    instead of meeting the OOM killer."""
+    done = run_mmap_subprocess(
+        "benchmarks.long_responses", [*argv, "--memory-child"], max_bytes=int(memory_gib * 2**30)
+    )
+    if done.returncode != 0:
+        raise SystemExit(
+            f"the memory-measuring child failed within {memory_gib:.1f} GiB of address space "
+            f"({failure(done.stderr)}); expected every case to fit: measure fewer or shorter "
+            "rows, or raise --memory-gib"
+        )
+    return json.loads(done.stdout)
 
 
 def resident_mib() -> float:

@@ -435,6 +435,20 @@ def test_the_long_responses_benchmark_climbs_the_length_ladder_until_a_rung_fail
     starved = _benchmark("long_responses", *quick.split(), "--memory-gib", "0.3").stdout
     assert "| full | - | - | - | - | 32 (" in starved, starved
     assert "| chunked | - | - | - | - | 32 (" in starved, starved
+    # parts 1 and 2 measure memory in a child under the same cap: a case that does not fit ends
+    # the benchmark with one sentence before any timed run
+    root = Path(__file__).resolve().parents[1]
+    capped = subprocess.run(
+        [sys.executable, "-m", "benchmarks.long_responses", "--layers", "1", "--vocab", "1000"]
+        + ["--lengths", "16", "--rows", "0", "--repeats", "1", "--memory-gib", "0.3"],
+        cwd=root,
+        env={**os.environ, "PYTHONPATH": str(root)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert capped.returncode != 0 and "| T | path |" not in capped.stdout
+    assert "the memory-measuring child failed within 0.3 GiB of address space (" in capped.stderr
     # --paths climbs one path's ladder alone (e.g. one more rung of the chunked one)
     one = _benchmark("long_responses", *quick.split(), "--memory-gib", "8", "--paths", "chunked")
     rows = [line for line in one.stdout.splitlines() if line.startswith("| ")][1:]
