@@ -320,6 +320,8 @@ def main() -> None:
         warm_up(model, critic, args)
         print(json.dumps(measure_once(measured, args.device)))
         return
+    if args.memory_gib is None and not args.device.startswith("cuda"):
+        args.memory_gib = available_memory_gib()  # every memory-measuring child's cap
     if args.largest:
         print_largest_table(args)
     if not measured:
@@ -327,7 +329,7 @@ def main() -> None:
     if args.device.startswith("cuda"):
         memory = {name: peak_extra_mib(fn, args.device) for name, (fn, _) in measured.items()}
     else:
-        memory = memory_child(sys.argv[1:], args.memory_gib or available_memory_gib())["peak_mib"]
+        memory = memory_child(sys.argv[1:], args.memory_gib)["peak_mib"]
     warm_up(model, critic, args)
     seconds = interleaved_median_seconds(
         {name: fn for name, (fn, _) in measured.items()}, repeats=args.repeats, warmup=0
@@ -453,9 +455,8 @@ def print_largest_table(args: argparse.Namespace) -> None:
         # space than the machine has, so no RLIMIT_AS cap.
         max_bytes, within, before = None, "the GPU's memory", "allocated before MiB"
     else:
-        memory_gib = args.memory_gib or available_memory_gib()
-        max_bytes = int(memory_gib * 2**30)
-        within, before = f"{memory_gib:.1f} GiB of address space", "resident before MiB"
+        max_bytes = int(args.memory_gib * 2**30)
+        within, before = f"{args.memory_gib:.1f} GiB of address space", "resident before MiB"
     print()
     print(
         f"Largest single row within {within}: one actor loss "
