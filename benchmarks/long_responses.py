@@ -429,8 +429,9 @@ def ladder(start: int, stop: int) -> list[int]:
 
 
 def failure(stderr: str) -> str:
-    """Why a rung's child failed, in a few words: "out of memory" for an allocation error, else
-    the last line of its error output (cut to 80 characters)."""
+    """Why a memory-measuring child (a rung of part 3, or parts 1 and 2's) failed, in a few words:
+    "out of memory" for an allocation error, else the last line of its error output (cut to 80
+    characters)."""
     if "can't allocate memory" in stderr or "MemoryError" in stderr:
         return "out of memory"
     lines = [line for line in stderr.splitlines() if line.strip()]
