@@ -14,8 +14,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch._ops import OpOverload
@@ -40,7 +38,7 @@ from brace_lightning.models.parallelize import full_state_dict, parallelize
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
-from tests.dist_support import free_port, one_process_group
+from tests.dist_support import one_process_group, spawn_gloo_ranks
 
 #: fp32 on both sides; only the reduction order of the sharded forward can differ.
 ATOL = 1e-5
@@ -123,21 +121,17 @@ def test_a_checkpoint_of_another_architecture_is_a_clear_error(
         fill_from_safetensors(bigger, tmp_path, key_map={})
 
 
-def _rank_main(rank: int, port: int, folder: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
-        logprobs, values = _sharded(Path(folder), mesh)
-        torch.save((logprobs, values), f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _rank_main(rank: int, folder: str, out: str) -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    logprobs, values = _sharded(Path(folder), mesh)
+    torch.save((logprobs, values), f"{out}/rank{rank}.pt")
 
 
 @pytest.mark.slow
 def test_two_ranks_load_their_shards_and_match_the_whole_loaded_folder(tmp_path: Path) -> None:
     _save_actor(tmp_path)
     logprobs, values = _reference(tmp_path)
-    mp.spawn(_rank_main, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    spawn_gloo_ranks(_rank_main, str(tmp_path), str(tmp_path))
     for rank in range(2):
         rank_logprobs, rank_values = torch.load(tmp_path / f"rank{rank}.pt")
         torch.testing.assert_close(rank_logprobs, logprobs, atol=ATOL, rtol=0)
@@ -183,20 +177,16 @@ def _save_wide_vocabulary_actor(folder: Path) -> int:
     return config.vocab_size * config.hidden_size * 4
 
 
-def _largest_allocation_rank(rank: int, port: int, folder: str, out: str) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
-        with _LargestAllocation() as record:
-            actor = load_sharded_actor(folder, mesh)
-            critic = load_sharded_critic(folder, mesh)
-        shards = {
-            "actor": actor.model.embed_tokens.weight.to_local().untyped_storage().nbytes(),
-            "critic": critic.backbone.embed_tokens.weight.to_local().untyped_storage().nbytes(),
-        }
-        torch.save((record.largest, shards), f"{out}/rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+def _largest_allocation_rank(rank: int, folder: str, out: str) -> None:
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    with _LargestAllocation() as record:
+        actor = load_sharded_actor(folder, mesh)
+        critic = load_sharded_critic(folder, mesh)
+    shards = {
+        "actor": actor.model.embed_tokens.weight.to_local().untyped_storage().nbytes(),
+        "critic": critic.backbone.embed_tokens.weight.to_local().untyped_storage().nbytes(),
+    }
+    torch.save((record.largest, shards), f"{out}/rank{rank}.pt")
 
 
 @pytest.mark.slow
@@ -206,7 +196,7 @@ def test_two_ranks_never_allocate_a_whole_embedding_while_building_and_loading(
     """Each rank holds half of the tied embedding; no tensor of construction and loading (to_empty,
     the file reads, the value head) may be larger than that half, e.g. the embedding read whole."""
     embedding = _save_wide_vocabulary_actor(tmp_path)
-    mp.spawn(_largest_allocation_rank, args=(free_port(), str(tmp_path), str(tmp_path)), nprocs=2)
+    spawn_gloo_ranks(_largest_allocation_rank, str(tmp_path), str(tmp_path))
     for rank in range(2):
         largest, shards = torch.load(tmp_path / f"rank{rank}.pt")
         assert shards == {"actor": embedding // 2, "critic": embedding // 2}

@@ -44,7 +44,7 @@ from brace_lightning.module import BraceModule, combine_rank_metrics
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
-from tests.dist_support import one_process_group
+from tests.dist_support import one_process_group, spawn_gloo_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 DRIVER = ROOT / "tests" / "parallel_driver.py"
@@ -554,65 +554,55 @@ def _bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> li
     ]
 
 
-def _publish_rank_main(rank: int, port: int, out: str) -> None:
+def _publish_rank_main(rank: int, out: str) -> None:
     """Rank ``rank`` of a 2-rank gloo run: engines built from the initial actor, the shards then
     changed, and the new weights published today's way and in buckets; results to ``out``."""
-    import torch.distributed as dist
-
     from brace_lightning.models.weight_sync import gather_state_dict, gathered_buckets
     from brace_lightning.rollout.embedded import EmbeddedEngine
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
-        actor = load_actor(
-            "tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=3, seed=5
-        )
-        parallelize(actor, mesh, activation_checkpointing=True)
-        old_engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=None))
-        engines = {size: EmbeddedEngine(unsharded_copy(actor)) for size in (1, 6000)}
-        dm = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward())
-        dm.engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=4096))
-        with torch.no_grad():  # new weights, different on each rank's shards
-            generator = torch.Generator().manual_seed(100 + rank)
-            for param in actor.parameters():
-                local = param.to_local()
-                local.add_(torch.randn(local.shape, generator=generator))
-        reference = full_state_dict(actor)  # today's path: the full dict on every rank
-        old_engine.update_weights(reference, 1)
-        for size, engine in engines.items():
-            engine.update_weights_from_buckets(gathered_buckets(actor, bucket_bytes=size), 1)
-        dm.publish_buckets(gathered_buckets(actor, bucket_bytes=6000), 1)
-        to_rank0 = gather_state_dict(actor, bucket_bytes=6000, dst=0)
-        results = {
-            "old_engine": _bit_identical(old_engine.model.state_dict(), reference),
-            **{
-                f"engine_{size}": _bit_identical(engine.model.state_dict(), reference)
-                for size, engine in engines.items()
-            },
-            "datamodule": _bit_identical(dm.engine.model.state_dict(), reference),
-            "versions": [e.version for e in (*engines.values(), dm.engine)],
-            "rank0": None if to_rank0 is None else _bit_identical(to_rank0, reference),
-            "copy": _bit_identical(unsharded_copy(actor).state_dict(), reference),
-            "changed": not torch.equal(
-                reference["model.norm.weight"], torch.ones_like(reference["model.norm.weight"])
-            ),
-        }
-        torch.save(results, f"{out}/publish{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",))
+    actor = load_actor(
+        "tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=3, seed=5
+    )
+    parallelize(actor, mesh, activation_checkpointing=True)
+    old_engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=None))
+    engines = {size: EmbeddedEngine(unsharded_copy(actor)) for size in (1, 6000)}
+    dm = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward())
+    dm.engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=4096))
+    with torch.no_grad():  # new weights, different on each rank's shards
+        generator = torch.Generator().manual_seed(100 + rank)
+        for param in actor.parameters():
+            local = param.to_local()
+            local.add_(torch.randn(local.shape, generator=generator))
+    reference = full_state_dict(actor)  # today's path: the full dict on every rank
+    old_engine.update_weights(reference, 1)
+    for size, engine in engines.items():
+        engine.update_weights_from_buckets(gathered_buckets(actor, bucket_bytes=size), 1)
+    dm.publish_buckets(gathered_buckets(actor, bucket_bytes=6000), 1)
+    to_rank0 = gather_state_dict(actor, bucket_bytes=6000, dst=0)
+    results = {
+        "old_engine": _bit_identical(old_engine.model.state_dict(), reference),
+        **{
+            f"engine_{size}": _bit_identical(engine.model.state_dict(), reference)
+            for size, engine in engines.items()
+        },
+        "datamodule": _bit_identical(dm.engine.model.state_dict(), reference),
+        "versions": [e.version for e in (*engines.values(), dm.engine)],
+        "rank0": None if to_rank0 is None else _bit_identical(to_rank0, reference),
+        "copy": _bit_identical(unsharded_copy(actor).state_dict(), reference),
+        "changed": not torch.equal(
+            reference["model.norm.weight"], torch.ones_like(reference["model.norm.weight"])
+        ),
+    }
+    torch.save(results, f"{out}/publish{rank}.pt")
 
 
 @pytest.mark.slow
 def test_publish_in_buckets_gives_the_engines_bit_identical_weights_on_two_ranks(
     tmp_path: Path,
 ) -> None:
-    import torch.multiprocessing as mp
-
-    from tests.dist_support import free_port
-
-    mp.spawn(_publish_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn_gloo_ranks(_publish_rank_main, str(tmp_path))
     for rank in range(2):
         results = torch.load(tmp_path / f"publish{rank}.pt")
         assert results["changed"]  # the engines had to install new weights
@@ -622,7 +612,7 @@ def test_publish_in_buckets_gives_the_engines_bit_identical_weights_on_two_ranks
         assert results["rank0"] == ([] if rank == 0 else None)  # only rank 0 receives
 
 
-def _memory_rank_main(rank: int, port: int, out: str) -> None:
+def _memory_rank_main(rank: int, out: str) -> None:
     """Peak extra host RSS of each publish path on rank ``rank`` of a 2-rank gloo run."""
     import ctypes
     import gc
@@ -646,56 +636,49 @@ def _memory_rank_main(rank: int, port: int, out: str) -> None:
             line = next(line for line in status if line.startswith("VmHWM:"))
         return int(line.split()[1]) * 1024
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    try:
-        torch.set_num_threads(1)
-        torch.manual_seed(0)
-        config = Qwen2Config(
-            hidden_size=256,
-            intermediate_size=1024,
-            num_hidden_layers=8,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            vocab_size=4096,
-            tie_word_embeddings=True,
-        )
-        actor = AutoModelForCausalLM.from_config(config)
-        model_bytes = sum(p.numel() * 4 for p in actor.parameters())
-        parallelize(actor, init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",)))
-        # zeros, not empty: the pages of the stand-in engine are touched before the measurement
-        target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in actor.state_dict().items()}
-        peaks = {}
-        for mode in ("full", "every_rank", "rank0"):
-            dist.barrier()
-            base = reset()
-            if mode == "full":
-                weights = full_state_dict(actor)
-                del weights
-            else:
-                buckets = gathered_buckets(
-                    actor, bucket_bytes=4 * MIB, dst=0 if mode == "rank0" else None
-                )
-                if mode == "every_rank" or rank == 0:
-                    copy_buckets(buckets, target)  # what an engine does with each bucket
-                drain(buckets)
-            peaks[mode] = peak() - base
-        torch.save({"peaks": peaks, "model_bytes": model_bytes}, f"{out}/memory{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=4096,
+        tie_word_embeddings=True,
+    )
+    actor = AutoModelForCausalLM.from_config(config)
+    model_bytes = sum(p.numel() * 4 for p in actor.parameters())
+    parallelize(actor, init_device_mesh("cpu", (2,), mesh_dim_names=("data_parallel",)))
+    # zeros, not empty: the pages of the stand-in engine are touched before the measurement
+    target = {k: torch.zeros(v.shape, dtype=v.dtype) for k, v in actor.state_dict().items()}
+    peaks = {}
+    for mode in ("full", "every_rank", "rank0"):
+        dist.barrier()
+        base = reset()
+        if mode == "full":
+            weights = full_state_dict(actor)
+            del weights
+        else:
+            buckets = gathered_buckets(
+                actor, bucket_bytes=4 * MIB, dst=0 if mode == "rank0" else None
+            )
+            if mode == "every_rank" or rank == 0:
+                copy_buckets(buckets, target)  # what an engine does with each bucket
+            drain(buckets)
+        peaks[mode] = peak() - base
+    torch.save({"peaks": peaks, "model_bytes": model_bytes}, f"{out}/memory{rank}.pt")
 
 
 @pytest.mark.slow
 def test_publish_peak_memory_of_a_rank_is_bounded_by_the_bucket_not_the_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch.multiprocessing as mp
-
     from brace_lightning.models.weight_sync import MIB
-    from tests.dist_support import free_port
 
     # Freed tensors go back to the OS at once, so a peak cannot hide in reused heap memory.
     monkeypatch.setenv("MALLOC_MMAP_THRESHOLD_", "65536")
-    mp.spawn(_memory_rank_main, args=(free_port(), str(tmp_path)), nprocs=2)
+    spawn_gloo_ranks(_memory_rank_main, str(tmp_path))
     for rank in range(2):
         report = torch.load(tmp_path / f"memory{rank}.pt")
         peaks, model_bytes = report["peaks"], report["model_bytes"]
