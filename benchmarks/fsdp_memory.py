@@ -58,6 +58,7 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import multiprocessing.util
 import os
 import sys
 import tempfile
@@ -157,6 +158,9 @@ def leave_group_and_exit() -> NoReturn:
     """
     dist.barrier()
     dist.destroy_process_group()
+    # What multiprocessing does itself before a forked child's os._exit: run its finalizers, so
+    # that locks created in this rank (tqdm's) are unlinked here, not reported as leaked.
+    multiprocessing.util._exit_function()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
