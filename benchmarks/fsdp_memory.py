@@ -58,12 +58,14 @@ import argparse
 import contextlib
 import ctypes
 import gc
+import multiprocessing.util
 import os
-import socket
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -81,6 +83,7 @@ from brace_lightning.models.policy import load_causal_lm, token_logprobs
 from brace_lightning.models.weight_sync import MIB, drain, gathered_buckets, require_finite_shards
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
+from brace_lightning.rollout.vllm_server import free_port
 
 PATHS = ("today", "meta")
 PUBLISH = ("full", "buckets", "rank0")
@@ -140,6 +143,29 @@ def peak_above(base: int) -> int:
     return _peak_since_reset_bytes() - base
 
 
+def leave_group_and_exit() -> NoReturn:
+    """End a spawned rank whose results are saved: meet the other ranks at a barrier, destroy the
+    process group, and leave the process with ``os._exit(0)``, skipping interpreter finalization.
+
+    The barrier keeps any rank from tearing its group down while another still has a collective in
+    flight. Finalization is skipped because a gloo rank could die in it with "terminate called
+    without an active exception" (SIGABRT) after ``destroy_process_group`` had run: once in CI, and
+    in 1 of 50 runs of a two-rank test here (two runs at a time on 2 cores). The core dump of that
+    run shows gloo's worker thread (``ProcessGroupGloo::runLoop``) releasing a finished all-gather
+    whose output tensors still refer to Python objects: it takes the GIL while the main thread is
+    in ``Py_FinalizeEx``, Python ends such a thread, and the unwind through C++ calls
+    ``std::terminate``. Everything the rank reports is saved before this call.
+    """
+    dist.barrier()
+    dist.destroy_process_group()
+    # What multiprocessing does itself before a forked child's os._exit: run its finalizers, so
+    # that locks created in this rank (tqdm's) are unlinked here, not reported as leaked.
+    multiprocessing.util._exit_function()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def _publish_rank(
     rank: int, mode: str, bucket_mb: int, args: argparse.Namespace, port: int, out: Path
 ) -> None:
@@ -172,7 +198,7 @@ def _publish_rank(
     peak = peak_above(base)
     assert engine is None or engine.version == 1
     torch.save((peak, elapsed), out / f"publish-{mode}-{bucket_mb}-{rank}.pt")
-    dist.destroy_process_group()
+    leave_group_and_exit()
 
 
 def _vllm_publish_process(
@@ -228,8 +254,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     if args.load_only:  # no optimizer step: nan for the step's columns
         elapsed = time.perf_counter() - start
         torch.save((loaded_peak, float("nan"), elapsed), out / f"{path}-{rank}.pt")
-        dist.destroy_process_group()
-        return
+        leave_group_and_exit()
     optimizer = torch.optim.AdamW([*actor.parameters(), *critic.parameters()], lr=1e-6)
     ids = torch.randint(3, 1000, (2, 32), generator=torch.Generator().manual_seed(rank)).to(device)
     attn = torch.ones_like(ids)
@@ -239,13 +264,7 @@ def _rank(rank: int, path: str, args: argparse.Namespace, port: int, out: Path) 
     step_peak = torch.cuda.max_memory_allocated() if cuda else peak_above(base)
     elapsed = time.perf_counter() - start
     torch.save((loaded_peak, step_peak, elapsed), out / f"{path}-{rank}.pt")
-    dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    leave_group_and_exit()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -284,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         accounted = fsdp_bytes_per_rank(config, args.ranks)
         results = {}
         for path in args.paths:
-            mp.spawn(_rank, args=(path, args, _free_port(), Path(scratch)), nprocs=args.ranks)
+            mp.spawn(_rank, args=(path, args, free_port(), Path(scratch)), nprocs=args.ranks)
             rows = [torch.load(Path(scratch) / f"{path}-{r}.pt") for r in range(args.ranks)]
             results[path] = [max(column) for column in zip(*rows, strict=True)]
         published = _run_publish(args, Path(scratch))
@@ -305,7 +324,7 @@ def _run_publish(args: argparse.Namespace, scratch: Path) -> dict[tuple[str, int
     published = {}
     with _freed_memory_returned():
         for mode, mb in runs:
-            mp.spawn(_publish_rank, args=(mode, mb, args, _free_port(), scratch), nprocs=args.ranks)
+            mp.spawn(_publish_rank, args=(mode, mb, args, free_port(), scratch), nprocs=args.ranks)
             published[mode, mb] = [
                 torch.load(scratch / f"publish-{mode}-{mb}-{r}.pt") for r in range(args.ranks)
             ]

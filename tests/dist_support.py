@@ -4,21 +4,14 @@ and spawned processes that each join a multi-rank group as one rank."""
 from __future__ import annotations
 
 import faulthandler
-import os
-import socket
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from benchmarks.fsdp_memory import leave_group_and_exit
+from brace_lightning.rollout.vllm_server import free_port
 
 
 @contextmanager
@@ -57,21 +50,11 @@ def spawn_gloo_ranks(fn: Callable[..., None], *args: object, world_size: int = 2
 def _gloo_rank(
     rank: int, fn: Callable[..., None], port: int, world_size: int, args: tuple[object, ...]
 ) -> None:
-    """One spawned rank: join the group, run ``fn``, leave the group, and exit at once.
-
-    The ranks meet at a barrier before any of them destroys the group, so none tears gloo down
-    while another still has a collective in flight. After an error the group is destroyed at once,
-    so the other rank's next collective fails instead of waiting at the barrier.
-
-    A rank that finished cleanly then leaves with ``os._exit(0)``, skipping interpreter
-    finalization. Without that, a rank sometimes died with "terminate called without an active
-    exception" (SIGABRT) after the group was destroyed: once in CI, and in 1 of 50 runs of a test
-    here (two runs at a time on 2 cores). The core dump of that run shows gloo's worker thread
-    (``ProcessGroupGloo::runLoop``) releasing a finished all-gather whose output tensors still
-    refer to Python objects: it takes the GIL while the main thread is in ``Py_FinalizeEx``, Python
-    ends such a thread, and the unwind through C++ calls ``std::terminate``. The results are saved
-    by then, and finalization is not what these tests test. ``faulthandler`` stays on, so a crash
-    before that point shows its Python frames.
+    """One spawned rank: join the group, run ``fn``, then leave the group and the process
+    (``leave_group_and_exit``: a barrier, ``destroy_process_group``, ``os._exit(0)``; its docstring
+    says why finalization is skipped). After an error the group is destroyed at once and the error
+    propagates, so the other rank's next collective fails instead of waiting at the barrier.
+    ``faulthandler`` is on, so a rank that dies on a signal shows its Python frames.
     """
     faulthandler.enable(all_threads=True)
     dist.init_process_group(
@@ -79,9 +62,7 @@ def _gloo_rank(
     )
     try:
         fn(rank, *args)
-        dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+        raise
+    leave_group_and_exit()
