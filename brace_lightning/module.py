@@ -16,7 +16,7 @@ is prefetched with stale weights) and reads like the algorithm:
 4. **publish** the new actor weights to the data module (a new policy version);
 5. **log** the step's metrics (``step_metrics.py``).
 
-The plumbing has homes of its own: micro-batch forwards and packing in ``models/scorer.py``, the
+The plumbing has homes of its own: micro-batch forwards and packing in ``scorer.py``, the
 reference and EWMA copies in ``models/copies.py``, data-parallel reductions in ``ranks.py``, the
 metrics in ``step_metrics.py``, model construction (and FSDP2 meta init) in ``models/build.py``,
 sharding in ``models/parallelize.py``.
@@ -57,7 +57,6 @@ from brace_lightning.models.parallelize import (
     full_state_dict,
     is_sharded,
 )
-from brace_lightning.models.scorer import Scorer
 from brace_lightning.models.sources import TINY, load_tokenizer
 from brace_lightning.models.weight_sync import (
     DEFAULT_BUCKET_MB,
@@ -72,6 +71,7 @@ from brace_lightning.objectives.functional import kl_to_reference
 from brace_lightning.optim import adamw, clipped_step, schedulers_by_network
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.scorer import Scorer
 from brace_lightning.seeds import restore_rng_state, rng_state, run_seed
 from brace_lightning.step_metrics import (
     PhaseTimer,

@@ -19,7 +19,7 @@ import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MistralConfig, PretrainedConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-import brace_lightning.models.scorer
+import brace_lightning.scorer
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.packing import (
     VARLEN_SDPA,
@@ -296,7 +296,7 @@ def test_a_packed_training_step_equals_the_padded_one(
     def padded_call(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a packed run called token_logprobs on padded rows")
 
-    monkeypatch.setattr(brace_lightning.models.scorer, "token_logprobs", padded_call)
+    monkeypatch.setattr(brace_lightning.scorer, "token_logprobs", padded_call)
     critic_calls: list[bool] = []
     monkeypatch.setattr(
         ValueModel,

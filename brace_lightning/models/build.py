@@ -19,13 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
-from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.meta_init import (
-    empty_models,
-    materialise_and_fill,
-    recompute_nonpersistent_buffers,
-)
+from brace_lightning.models.critic import ValueModel, critic_seed
+from brace_lightning.models.meta_init import empty_models, materialise_and_fill
 from brace_lightning.models.parallelize import mixed_precision_dtypes, parallelize
+from brace_lightning.models.policy import recompute_nonpersistent_buffers
 from brace_lightning.models.sources import TINY, load_actor
 
 
@@ -44,12 +41,6 @@ class MetaFill:
             actor, critic, device, folder=self.folder, states=self.states, seed=self.seed
         )
         self.states = None  # the full copies are no longer needed
-
-
-def critic_seed(seed: int) -> int:
-    """The seed of the critic's value head (and of a random critic backbone): ``seed + 1``, so that
-    actor and critic never share random draws."""
-    return seed + 1
 
 
 def build_actor_critic(

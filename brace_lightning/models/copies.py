@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from brace_lightning.models.meta_init import WRAPPER_PREFIX
+from brace_lightning.models.parallelize import WRAPPER_PREFIX
 
 
 class ReferencePolicy(nn.Module):
