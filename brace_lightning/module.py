@@ -47,12 +47,14 @@ from transformers import AutoConfig
 
 from brace_lightning.checks import require_bool, require_int
 from brace_lightning.console import quiet_lightning
+from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.hparams import from_config, log_final_hparams, to_config
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.health import require_finite_logprobs, require_finite_weights
+from brace_lightning.models.handoff import ActorHandoff
+from brace_lightning.models.health import require_finite_logprobs
 from brace_lightning.models.meta_init import (
     WRAPPER_PREFIX,
     empty_models,
@@ -73,8 +75,6 @@ from brace_lightning.models.packing import (
 )
 from brace_lightning.models.parallelize import (
     checkpoint_activations,
-    full_state_dict,
-    is_sharded,
     mixed_precision_dtypes,
     parallelize,
 )
@@ -83,10 +83,7 @@ from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.models.weight_sync import (
     DEFAULT_BUCKET_MB,
     bucket_bytes_from_mb,
-    collect_buckets,
     drain,
-    gathered_buckets,
-    require_finite_shards,
 )
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
@@ -183,7 +180,7 @@ class BraceModule(pl.LightningModule):
             (``docs/fsdp.md``).
         weight_sync_bucket_mb: under FSDP2, the actor's weights are gathered for the rollout
             engines in buckets of at most this many MiB (a larger tensor is a bucket alone), each
-            handed to the data module's ``publish_buckets`` (the engine or a weight slot) and
+            handed to the data module's ``publish`` (the engine or a weight slot) and
             dropped before the next, so a rank holds at most about two buckets beyond its shards
             and its engine; None gathers the whole state dict on every rank first (the old path,
             one extra full copy per rank). Same values either way (``docs/fsdp.md``).
@@ -820,27 +817,23 @@ class BraceModule(pl.LightningModule):
             total.mul_(decay).add_(param.detach(), alpha=1.0 - decay)
             ewma.copy_(total / correction)
 
-    def _publish(self) -> None:
-        datamodule = self.trainer.datamodule if self.trainer is not None else None
-        if datamodule is None or not hasattr(datamodule, "publish"):
-            return
+    def setup(self, stage: str) -> None:
+        """Build the actor's weight hand-off (the only way weights leave the trainer) and hand it
+        to the Trainer's rollout data module (``models/handoff.py``)."""
         bucket_bytes = bucket_bytes_from_mb(self.weight_sync_bucket_mb)
-        if not is_sharded(self.actor) or bucket_bytes is None:
-            # Under FSDP without buckets every rank gathers the whole state dict first.
-            sharded = is_sharded(self.actor)
-            weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
-            require_finite_weights(weights, rollout_step=self.rollout_step - 1)
-            datamodule.publish(weights, self.policy_version)
+        self.handoff = ActorHandoff(self.actor, bucket_bytes=bucket_bytes)
+        datamodule = None if self._trainer is None else self._trainer.datamodule
+        if isinstance(datamodule, PublishTarget):
+            datamodule.connect(self.handoff)
+
+    def _publish(self) -> None:
+        datamodule = None if self._trainer is None else self._trainer.datamodule
+        if not isinstance(datamodule, PublishTarget):
             return
-        # FSDP2: each rank checks its own shards (one all-reduce), then every rank takes part in
-        # one gather per bucket and hands each bucket on (its own engine needs the weights).
-        require_finite_shards(self.actor, rollout_step=self.rollout_step - 1)
-        buckets = gathered_buckets(self.actor, bucket_bytes=bucket_bytes)
+        self.handoff.require_finite(rollout_step=self.rollout_step - 1)
+        buckets = self.handoff.buckets()
         try:
-            if hasattr(datamodule, "publish_buckets"):
-                datamodule.publish_buckets(buckets, self.policy_version)
-            else:  # a data module that takes whole state dicts only
-                datamodule.publish(collect_buckets(buckets), self.policy_version)
+            datamodule.publish(buckets, self.policy_version)
         finally:
             drain(buckets)  # the gathers a data module left (no engine yet, or an error)
 

@@ -236,14 +236,6 @@ def gather_state_dict(
     return weights if received or _receives(dst) else None
 
 
-def collect_buckets(buckets: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One dict from a stream of buckets (for consumers that need the whole state dict)."""
-    weights: dict[str, torch.Tensor] = {}
-    for bucket in buckets:
-        weights.update(bucket)
-    return weights
-
-
 def drain(buckets: Iterable[object]) -> None:
     """Run a bucket stream to its end (its remaining gathers), dropping what it yields."""
     for _ in buckets:
