@@ -26,11 +26,14 @@ import torch
 from torch import nn
 
 from brace_lightning.cli import run
-from brace_lightning.data import AsyncRolloutDataModule
+from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
+from brace_lightning.data import sync as sync_data
 from brace_lightning.logs import read_scalars
 from brace_lightning.models import load_tokenizer
+from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.sources import load_actor
 from brace_lightning.rollout import EmbeddedEngine
+from brace_lightning.rollout.buffer import split_stale
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.rollout.workers import WeightSlots
@@ -345,6 +348,112 @@ def test_weight_slots_copy_into_reused_buffers_and_refuse_double_frees():
         with pytest.raises(AssertionError, match="freed twice"):
             slots.release(second)
         source = weights_of(1)
+
+
+# ---------------------------------------------------------------------------- both data modules
+
+
+def test_the_sync_module_drops_stale_rows_through_split_stale(monkeypatch):
+    calls: list[tuple[int, int, int | None, int, int]] = []
+
+    def spy(batch, trainer_version, max_staleness):
+        kept, report = split_stale(batch, trainer_version, max_staleness)
+        calls.append((len(batch), trainer_version, max_staleness, report.dropped_stale, len(kept)))
+        return kept, report
+
+    monkeypatch.setattr(sync_data, "split_stale", spy)
+    dm = RolloutDataModule(
+        task=ArithmeticTask(),
+        reward=ConstantReward(),
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        lag=1,
+        max_staleness=1,
+    )
+    dm.engine = FakeEngine()
+    dm._history[0] = weights_of(0)
+    dm.publish([weights_of(1)], 1)  # lag 1: the engine keeps version 0, rows are 1 version old
+    batch = dm.next_batch()
+    assert len(batch) == 4 and batch.info["staleness_max"] == 1.0
+    dm.max_staleness = 0  # as after a resume with a smaller bound: every row is too old
+    assert len(dm._generate_batch()) == 0
+    assert calls == [(4, 1, 1, 0, 4), (4, 1, 0, 4, 0)]
+    c = dm.counters
+    assert c["dropped_stale"] == 4 and c["trained"] == 4 and c["generated"] == 8
+
+
+def test_a_data_module_without_connect_fails_with_one_sentence():
+    modules = [
+        RolloutDataModule(task=ArithmeticTask(), reward=ConstantReward()),
+        fake_module(FakeEngine, start=False),
+    ]
+    for dm in modules:
+        name = type(dm).__name__
+        with pytest.raises(
+            RuntimeError,
+            match=rf"^{name} has no actor to build its engine from; expected connect\(handoff\) "
+            r"first \(BraceModule.setup does it when this is the Trainer's datamodule\)\.$",
+        ):
+            dm.next_batch()
+        dm.teardown("fit")
+
+
+def _buckets(weights: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``weights`` cut into three buckets (the way an FSDP2 trainer streams them)."""
+    names = list(weights)
+    cuts = [names[:1], names[1:3], names[3:]]
+    return [{name: weights[name].clone() for name in part} for part in cuts]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_sync_publish_in_buckets_gives_the_engine_the_weights_of_one_dict(lag):
+    actor = load_actor("tiny-char", tokenizer=load_tokenizer("tiny-char"), hidden_size=32)
+    engines = {}
+    for way in ("whole", "buckets"):
+        dm = RolloutDataModule(task=ArithmeticTask(), reward=ConstantReward(), lag=lag)
+        dm.connect(ActorHandoff(actor, bucket_bytes=None))
+        dm._ensure_engine()
+        for version in (1, 2):
+            weights = {
+                k: torch.randn_like(v, generator=torch.Generator().manual_seed(version))
+                for k, v in actor.state_dict().items()
+            }
+            dm.publish([weights] if way == "whole" else _buckets(weights), version)
+        engines[way] = dm.engine
+    assert engines["whole"].version == engines["buckets"].version == 2 - lag
+    whole, buckets = (engines[w].model.state_dict() for w in ("whole", "buckets"))
+    assert all(torch.equal(whole[name], buckets[name]) for name in whole)
+    assert not torch.equal(whole["model.norm.weight"], actor.state_dict()["model.norm.weight"])
+
+
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that keeps a copy of every set of weights it installs."""
+
+    def __init__(self, model: nn.Module, *, installed: list, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.installed = installed
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        super().update_weights(weights, version)
+        self.installed.append((version, {k: v.clone() for k, v in weights.items()}))
+
+
+def test_async_publish_in_buckets_gives_the_producer_the_weights_of_one_dict():
+    published = {"weight": torch.arange(4.0).reshape(2, 2), "bias": torch.tensor([5.0, 6.0])}
+    installed: dict[str, list] = {}
+    for way in ("whole", "buckets"):
+        installed[way] = []
+        dm = fake_module(partial(RecordingEngine, installed=installed[way]), max_staleness=0)
+        try:
+            dm.next_batch()
+            dm.publish([published] if way == "whole" else _buckets(published), 1)
+            dm.next_batch()  # S = 0: generated with the version-1 weights
+        finally:
+            dm.teardown("fit")
+    assert [v for v, _ in installed["whole"]] == [v for v, _ in installed["buckets"]]
+    (version, whole), (_, buckets) = installed["whole"][-1], installed["buckets"][-1]
+    assert version == 1 and all(torch.equal(whole[k], buckets[k]) for k in published)
+    assert all(torch.equal(whole[k], published[k]) for k in published)
 
 
 def test_publishing_faster_than_a_hookless_engine_waits_for_a_free_slot():
