@@ -278,7 +278,7 @@ def test_publish_from_a_sharded_module_streams_buckets_or_one_dict_and_checks_fi
     parallelize(module.actor, mesh)
     reference = full_state_dict(module.actor)
     for bucket_mb in (1, None):  # buckets, then the whole-dict path
-        module.weight_sync_bucket_mb = bucket_mb
+        module.weight_sync_bucket_bytes = None if bucket_mb is None else bucket_mb * MIB
         data = _CollectingData()
         _connect(module, data)
         assert data.handoff is module.handoff
@@ -287,7 +287,7 @@ def test_publish_from_a_sharded_module_streams_buckets_or_one_dict_and_checks_fi
         weights = {name: t for bucket in buckets for name, t in bucket.items()}
         assert version == module.policy_version and set(weights) == set(reference)
         assert all(torch.equal(weights[name], reference[name]) for name in reference)
-    module.weight_sync_bucket_mb = 1
+    module.weight_sync_bucket_bytes = MIB
     first = _FirstBucketData()
     _connect(module, first)
     module._publish()  # the stream is run to its end although the data module stopped early

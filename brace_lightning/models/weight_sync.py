@@ -57,9 +57,10 @@ def bucket_bytes_from_mb(value: object, name: str = "weight_sync_bucket_mb") -> 
 
 
 def module_bucket_bytes(module: object) -> int | None:
-    """The bucket size of a trainer module's ``weight_sync_bucket_mb`` in bytes (the default for
-    a module without the attribute; None = gather the whole state dict at once)."""
-    return bucket_bytes_from_mb(getattr(module, "weight_sync_bucket_mb", DEFAULT_BUCKET_MB))
+    """A trainer module's bucket size in bytes, as it converted ``weight_sync_bucket_mb`` once
+    (``weight_sync_bucket_bytes``; the default for a module without it; None = the whole state
+    dict at once)."""
+    return getattr(module, "weight_sync_bucket_bytes", DEFAULT_BUCKET_MB * MIB)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
