@@ -49,6 +49,18 @@ def to_config(obj: object) -> dict[str, Any]:
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
 
 
+def save_component_configs(module: pl.LightningModule, names: tuple[str, ...]) -> None:
+    """Save the component objects among ``module``'s hyperparameters ``names`` as the configs
+    LightningCLI writes (one built by LightningCLI already holds dicts)."""
+    objects = {
+        name: to_config(module.hparams[name])
+        for name in names
+        if not isinstance(module.hparams[name], dict)  # built in Python, not by LightningCLI
+    }
+    if objects:
+        module.save_hyperparameters(objects)
+
+
 def from_config(value: T | dict[str, Any], base: type[T], argument: str) -> T:
     """``value`` itself if it is a ``base``, else the object its ``class_path`` config describes.
 

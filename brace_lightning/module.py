@@ -45,7 +45,7 @@ from brace_lightning.hparams import (
     check_module_arguments,
     from_config,
     log_final_hparams,
-    to_config,
+    save_component_configs,
 )
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
@@ -136,16 +136,11 @@ class BraceModule(pl.LightningModule):
         num_minibatches: optimizer steps per pass (the batch's rows are split evenly).
         micro_batch_size: rows per forward/backward inside a minibatch (None = the whole minibatch).
         max_tokens_per_micro_batch: padded tokens (rows × width) per forward/backward, or real
-            tokens with ``pack_sequences``; rows are sorted by length and grouped under both limits
-            (``models/microbatch.py``). Also used for the scoring forwards (old log-probs, values)
-            at the start of a step. None = no budget.
-        pack_sequences: run every actor and critic forward of a step (scoring, EWMA and reference
-            actors, the PPO update) on packed rows: the real tokens of a micro-batch as one row,
-            no padding (``models/packing.py``); losses and gradients are those of padded rows.
-            On by default. An SDPA model is switched to ``VARLEN_SDPA`` (SDPA row by row of a
-            packed row, no ``N × N`` mask); flash-attention models use their varlen kernels. A
-            model that cannot pack (``packing_problem``) makes the trainer log one sentence and
-            keep padded rows.
+            tokens with ``pack_sequences``, also for the scoring forwards (``models/microbatch.py``;
+            None = no budget).
+        pack_sequences: run every forward on packed rows (the real tokens of a micro-batch as one
+            row; same losses and gradients as padded rows; ``models/packing.py``). A model that
+            cannot pack keeps padded rows, with one logged sentence.
         critic_warmup_steps: rollout steps during which only the critic is trained.
         max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
         whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
@@ -153,36 +148,21 @@ class BraceModule(pl.LightningModule):
         tiny_num_layers: depth of the ``"tiny-char"`` model.
         seed: seed of the tiny model's initialisation and of the minibatch shuffling (None: the
             run's ``seed_everything``, see ``brace_lightning.seeds``).
-        activation_checkpointing: recompute each transformer block's activations of the actor
-            and the critic in the backward pass (less memory, one more forward): blocks wrapped
-            before sharding under ``ModelParallelStrategy`` (FSDP2), transformers' gradient
-            checkpointing otherwise (single device, DDP).
-        fsdp_mixed_precision: under FSDP2, ``"auto"`` (bf16 parameters, fp32 gradient reduction on
-            GPU; fp32 on CPU), ``"bf16"`` or ``"fp32"``. The value head, the log-probs and the
-            values stay fp32 (``docs/fsdp.md``).
-        fsdp_cpu_offload: under FSDP2, keep parameter shards, gradients and optimizer states in
-            host memory (``CPUOffloadPolicy``; slower steps, see ``docs/fsdp.md``).
-        fsdp_meta_init: under FSDP2, keep actor and critic on the meta device until
-            ``configure_model`` shards them, then each rank allocates and reads only its shards
-            (``docs/fsdp.md``).
-        weight_sync_bucket_mb: under FSDP2, the actor's weights are gathered for the rollout
-            engines in buckets of at most this many MiB (a larger tensor is a bucket alone), each
-            handed to the data module's ``publish`` (the engine or a weight slot) and
-            dropped before the next, so a rank holds at most about two buckets beyond its shards
-            and its engine; None gathers the whole state dict on every rank first (the old path,
-            one extra full copy per rank). Same values either way (``docs/fsdp.md``).
-        kl_coef: weight of the KL to a frozen reference policy π_ref, the actor as it is when RL
-            training starts (after any ``SupervisedWarmStart``). 0 (default): no reference model
-            is built and nothing changes. Must be >= 0.
-        kl_estimator: the per-token estimator of KL(π‖π_ref) on the sampled tokens, ℓ = log π −
-            log π_ref: ``"k1"`` (ℓ), ``"k2"`` (½ℓ²) or ``"k3"`` (default; r − 1 − log r with
-            r = π_ref/π: unbiased and non-negative), see
-            :func:`brace_lightning.objectives.functional.kl_to_reference`.
-        kl_mode: ``"loss"`` (default; GRPO, verl ``use_kl_loss``): kl_coef · KL of the current
-            actor is added to the actor's token loss, normalised like it, gradient through π only;
-            ``"reward"`` (OpenRLHF, TRL PPO): −kl_coef · KL of the actor at the start of the step
-            is added to the token rewards before the value target, no gradient (``k1`` is the
-            usual estimator there).
+        activation_checkpointing: recompute each transformer block's activations of actor and
+            critic in the backward pass (less memory, one more forward).
+        fsdp_mixed_precision: under FSDP2, ``"auto"`` (bf16 parameters and fp32 reduction on GPU,
+            fp32 on CPU), ``"bf16"`` or ``"fp32"``; value head, log-probs and values stay fp32.
+        fsdp_cpu_offload: under FSDP2, keep shards, gradients and optimizer states in host memory.
+        fsdp_meta_init: under FSDP2, build actor and critic on the meta device; each rank then
+            allocates and reads only its shards (``docs/fsdp.md``).
+        weight_sync_bucket_mb: the actor's weights reach the engines in buckets of at most this
+            many MiB (under FSDP2 gathered a bucket at a time); None: one whole state dict.
+        kl_coef: weight of the KL to a frozen reference policy π_ref (the actor as RL training
+            starts, after any warm start); 0 (default): no reference is built.
+        kl_estimator: per-token estimator of KL(π‖π_ref): ``"k1"``, ``"k2"`` or ``"k3"`` (default;
+            :func:`brace_lightning.objectives.functional.kl_to_reference`).
+        kl_mode: ``"loss"`` (default; GRPO, verl): kl_coef · KL added to the actor's token loss;
+            ``"reward"`` (OpenRLHF, TRL PPO): −kl_coef · KL added to the rewards, no gradient.
     """
 
     def __init__(
@@ -225,14 +205,8 @@ class BraceModule(pl.LightningModule):
         actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
         critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
         self.save_hyperparameters()
+        save_component_configs(self, ("value_target", "actor_objective", "critic_loss"))
         self.seed = seed = run_seed(seed)  # hparams keep None: the seed follows seed_everything
-        objects = {
-            name: to_config(self.hparams[name])
-            for name in ("value_target", "actor_objective", "critic_loss")
-            if not isinstance(self.hparams[name], dict)  # built in Python, not by LightningCLI
-        }
-        if objects:
-            self.save_hyperparameters(objects)  # saved as the configs LightningCLI writes
         self.automatic_optimization = False
         self.value_target = value_target
         self.actor_objective = actor_objective

@@ -35,6 +35,10 @@ from torch.distributed.tensor import DTensor
 
 from brace_lightning.models.critic import ValueModel, transformer_of
 
+#: What ``checkpoint_wrapper`` (activation checkpointing under FSDP2, see :func:`parallelize`) adds
+#: to the parameter names of a wrapped block; removed wherever names must be Hugging Face's.
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
 #: Where Hugging Face decoder-only models keep their blocks: ``model.layers`` (Llama, Qwen2, Mistral,
 #: Gemma, ...) on the causal LM's base model, ``h`` (GPT-2, Falcon) or ``layers``.
 BLOCK_LISTS = ("layers", "h", "blocks", "decoder.layers")

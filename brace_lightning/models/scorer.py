@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from brace_lightning.models.microbatch import MicroBatch, equalize, plan_micro_batches, score_rows
 from brace_lightning.models.packing import packed_token_logprobs, packed_values, prepare_packing
@@ -51,7 +52,9 @@ class Scorer:
             return
         self.packed = self.pack_sequences
         for model in (actor, critic) if self.pack_sequences else ():
-            problem = prepare_packing(model)
+            problem = prepare_packing(model)  # runs a probe forward
+            if isinstance(model, FSDPModule):
+                model.reshard()  # back to shards only, as configure_model left it
             if problem is not None:
                 rank_zero_warn(
                     f"pack_sequences=True: the {type(model).__name__} cannot run on packed "
