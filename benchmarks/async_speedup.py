@@ -101,7 +101,7 @@ def run_once(config: dict[str, Any], args: argparse.Namespace) -> dict[str, floa
         datamodule = RolloutDataModule(**common, lag=0)
     else:
         datamodule = AsyncRolloutDataModule(
-            **common, max_staleness=config["S"], lag_mode=config.get("lag_mode", "async")
+            **common, max_staleness=config["S"], lag=config.get("lag")
         )
     module = BraceModule(
         tiny_hidden_size=args.hidden,
@@ -157,7 +157,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "async S=1": {"kind": "async", "S": 1},
     "async S=2": {"kind": "async", "S": 2},
     "async S=4": {"kind": "async", "S": 4},
-    "fixed lag S=2": {"kind": "async", "S": 2, "lag_mode": "fixed"},
+    "fixed lag S=2": {"kind": "async", "S": 2, "lag": 2},
     "async S=2, GAE": {"kind": "async", "S": 2, "target": GAE},
     "sync, 1 thread, GAE": {"kind": "sync", "threads": 1, "target": GAE},
 }

@@ -75,12 +75,19 @@ from transformers import AutoModelForCausalLM, Qwen2Config
 
 from benchmarks._timing import positive_int, proc_kib
 from brace_lightning.models import ValueModel
+from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_weights
 from brace_lightning.models.memory import fsdp_bytes_per_rank, parameter_counts
 from brace_lightning.models.meta_init import load_sharded_actor, load_sharded_critic
-from brace_lightning.models.parallelize import full_state_dict, parallelize, unsharded_copy
+from brace_lightning.models.parallelize import full_state_dict, parallelize
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
-from brace_lightning.models.weight_sync import MIB, drain, gathered_buckets, require_finite_shards
+from brace_lightning.models.weight_sync import (
+    DEFAULT_BUCKET_MB,
+    MIB,
+    drain,
+    gathered_buckets,
+    require_finite_shards,
+)
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
 from brace_lightning.rollout.vllm_server import free_port
@@ -174,7 +181,7 @@ def _publish_rank(
     torch.set_num_threads(1)
     mesh = init_device_mesh("cpu", (args.ranks,), mesh_dim_names=("data_parallel",))
     actor = load_sharded_actor(args.folder, mesh)
-    plain = unsharded_copy(actor)  # a collective; the engine-owning ranks keep a copy
+    plain = ActorHandoff(actor, bucket_bytes=DEFAULT_BUCKET_MB * MIB).engine_model()  # a collective
     engine = EmbeddedEngine(plain) if mode != "rank0" or rank == 0 else None
     del plain
     dist.barrier()

@@ -39,6 +39,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from brace_lightning.console import quiet_lightning
+from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.hparams import (
     check_module_arguments,
@@ -50,21 +51,15 @@ from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.build import build_actor_critic, shard_actor_critic
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy
-from brace_lightning.models.health import require_finite_logprobs, require_finite_weights
+from brace_lightning.models.handoff import ActorHandoff
+from brace_lightning.models.health import require_finite_logprobs
 from brace_lightning.models.microbatch import MicroBatch, widen
-from brace_lightning.models.parallelize import (
-    checkpoint_activations,
-    full_state_dict,
-    is_sharded,
-)
+from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.sources import TINY, load_tokenizer
 from brace_lightning.models.weight_sync import (
     DEFAULT_BUCKET_MB,
     bucket_bytes_from_mb,
-    collect_buckets,
     drain,
-    gathered_buckets,
-    require_finite_shards,
 )
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import kl_to_reference
@@ -528,27 +523,22 @@ class BraceModule(pl.LightningModule):
         except ValueError as error:
             raise ValueError(f"rollout step {self.rollout_step}, {component!r}: {error}") from error
 
+    def setup(self, stage: str) -> None:
+        """Build the actor's weight hand-off (the only way weights leave the trainer) and hand it
+        to the Trainer's rollout data module (``models/handoff.py``)."""
+        self.handoff = ActorHandoff(self.actor, bucket_bytes=self.weight_sync_bucket_bytes)
+        datamodule = None if self._trainer is None else self._trainer.datamodule
+        if isinstance(datamodule, PublishTarget):
+            datamodule.connect(self.handoff)
+
     def _publish(self) -> None:
-        datamodule = self.trainer.datamodule if self.trainer is not None else None
-        if datamodule is None or not hasattr(datamodule, "publish"):
+        datamodule = None if self._trainer is None else self._trainer.datamodule
+        if not isinstance(datamodule, PublishTarget):
             return
-        bucket_bytes = self.weight_sync_bucket_bytes
-        if not is_sharded(self.actor) or bucket_bytes is None:
-            # Under FSDP without buckets every rank gathers the whole state dict first.
-            sharded = is_sharded(self.actor)
-            weights = full_state_dict(self.actor) if sharded else self.actor.state_dict()
-            require_finite_weights(weights, rollout_step=self.rollout_step - 1)
-            datamodule.publish(weights, self.policy_version)
-            return
-        # FSDP2: each rank checks its own shards (one all-reduce), then every rank takes part in
-        # one gather per bucket and hands each bucket on (its own engine needs the weights).
-        require_finite_shards(self.actor, rollout_step=self.rollout_step - 1)
-        buckets = gathered_buckets(self.actor, bucket_bytes=bucket_bytes)
+        self.handoff.require_finite(rollout_step=self.rollout_step - 1)
+        buckets = self.handoff.buckets()
         try:
-            if hasattr(datamodule, "publish_buckets"):
-                datamodule.publish_buckets(buckets, self.policy_version)
-            else:  # a data module that takes whole state dicts only
-                datamodule.publish(collect_buckets(buckets), self.policy_version)
+            datamodule.publish(buckets, self.policy_version)
         finally:
             drain(buckets)  # the gathers a data module left (no engine yet, or an error)
 

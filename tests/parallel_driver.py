@@ -19,7 +19,7 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +29,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.utils.data import DataLoader, IterableDataset
 
+from brace_lightning.data import PublishTarget
 from brace_lightning.models.parallelize import full_state_dict, is_sharded
 from brace_lightning.module import BraceModule
 from brace_lightning.rollout.types import RolloutBatch
@@ -78,7 +79,7 @@ class _Repeat(IterableDataset):
             yield self.batch
 
 
-class FixedData(pl.LightningDataModule):
+class FixedData(PublishTarget):
     """This rank's rows of :func:`fixed_batch`, every step; records the published versions."""
 
     def __init__(self) -> None:
@@ -90,8 +91,9 @@ class FixedData(pl.LightningDataModule):
         rows = torch.arange(ROWS).tensor_split(world)[rank]
         return DataLoader(_Repeat(fixed_batch().select(rows)), batch_size=None)
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        assert all(not hasattr(t, "placements") for t in weights.values()), "sharded weights"
+    def publish(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        for bucket in buckets:
+            assert all(not hasattr(t, "placements") for t in bucket.values()), "sharded weights"
         self.versions.append(version)
 
 

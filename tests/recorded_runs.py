@@ -103,7 +103,7 @@ RUNS: dict[str, tuple[str, ...]] = {
         *WARM_START,
         *COMMON,
         "--data.max_staleness=1",
-        "--data.lag_mode=fixed",
+        "--data.lag=1",
     ),
     # FSDP2 over two gloo ranks, weights published in buckets
     "fsdp_2rank": (

@@ -26,11 +26,14 @@ import torch
 from torch import nn
 
 from brace_lightning.cli import run
-from brace_lightning.data import AsyncRolloutDataModule
+from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
+from brace_lightning.data import sync as sync_data
 from brace_lightning.logs import read_scalars
 from brace_lightning.models import load_tokenizer
+from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.sources import load_actor
 from brace_lightning.rollout import EmbeddedEngine
+from brace_lightning.rollout.buffer import split_stale
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.rollout.workers import WeightSlots
@@ -159,23 +162,19 @@ def assert_conserved(dm: AsyncRolloutDataModule, batch: RolloutBatch) -> None:
 
 
 @pytest.mark.parametrize(
-    ("max_staleness", "lag_mode", "interruptible"),
+    ("max_staleness", "lag", "interruptible"),
     [
-        (0, "async", False),
-        (1, "async", False),
-        (2, "async", True),
-        (3, "async", True),
-        (2, "fixed", False),
+        (0, None, False),
+        (1, None, False),
+        (2, None, True),
+        (3, None, True),
+        (2, 2, False),
     ],
 )
-def test_staleness_bound_and_conservation_under_random_timing(
-    max_staleness, lag_mode, interruptible
-):
+def test_staleness_bound_and_conservation_under_random_timing(max_staleness, lag, interruptible):
     rng = random.Random(max_staleness)
     factory = partial(FakeEngine, max_delay=0.0015, seed=max_staleness)
-    dm = fake_module(
-        factory, max_staleness=max_staleness, lag_mode=lag_mode, interruptible=interruptible
-    )
+    dm = fake_module(factory, max_staleness=max_staleness, lag=lag, interruptible=interruptible)
     warmup, steps = 5, 150
     version_after = [0]  # version_after[c] = trainer version once c steps are complete
     mixed_rows = 0
@@ -187,7 +186,7 @@ def test_staleness_bound_and_conservation_under_random_timing(
             assert batch.info["staleness_max"] == float(staleness.max())
             assert batch.info["in_flight"] + batch.info["queue_depth"] <= max_staleness
             actions = batch.versions[batch.mask]
-            if lag_mode == "fixed" or max_staleness == 0:
+            if lag is not None or max_staleness == 0:
                 # exactly the weights published S steps ago (tags and the weights themselves)
                 behavior = version_after[max(0, step - max_staleness)]
                 assert (actions == behavior).all()
@@ -208,7 +207,7 @@ def test_staleness_bound_and_conservation_under_random_timing(
             assert_conserved(dm, batch)
             time.sleep(rng.uniform(0.0, 0.003))  # training
             if step >= warmup:  # critic warm-up steps publish nothing
-                dm.publish(weights_of(dm.trainer_version + 1), dm.trainer_version + 1)
+                dm.publish([weights_of(dm.trainer_version + 1)], dm.trainer_version + 1)
             version_after.append(dm.trainer_version)
         assert dm.counters["trained"] == steps * 4 and dm.counters["dropped_stale"] == 0
     finally:
@@ -222,13 +221,13 @@ def test_staleness_bound_and_conservation_under_random_timing(
 def test_rows_older_than_max_staleness_are_dropped_and_counted():
     # Resuming with a smaller bound: batches 1-3 were generated at version 0 (S = 3), batch 4 at 1;
     # the trainer is at version 3.
-    dm = fake_module(FakeEngine, max_staleness=3, lag_mode="fixed")
+    dm = fake_module(FakeEngine, max_staleness=3, lag=3)
     dm.next_batch()
     for version in (1, 2, 3):
-        dm.publish(weights_of(version), version)
+        dm.publish([weights_of(version)], version)
     state = dm.state_dict()
     dm.teardown("fit")
-    resumed = fake_module(FakeEngine, max_staleness=1, lag_mode="fixed", start=False)
+    resumed = fake_module(FakeEngine, max_staleness=1, lag=1, start=False)
     resumed.load_state_dict(state)
     resumed.start(FAKE_ACTOR)
     try:  # batches 1-4 lose every row and are skipped (counted); batch 5 is trained on
@@ -252,7 +251,7 @@ def test_resume_neither_loses_duplicates_nor_regenerates(tmp_path):
             batch = dm.next_batch()
             groups.extend(batch.group_ids.tolist())
             assert_conserved(dm, batch)
-            dm.publish(weights_of(dm.trainer_version + 1), dm.trainer_version + 1)
+            dm.publish([weights_of(dm.trainer_version + 1)], dm.trainer_version + 1)
 
     train(dm, 5)
     torch.save(dm.state_dict(), tmp_path / "state.pt")
@@ -274,15 +273,15 @@ def test_a_failing_producer_and_a_bad_publish_raise_clear_errors():
     dm = fake_module(partial(FakeEngine, fail_at_version=1), max_staleness=0)
     try:
         dm.next_batch()
-        with pytest.raises(ValueError, match=r"publish got weights with missing keys \['bias'\]"):
-            dm.publish({"weight": torch.zeros(2, 2)}, 1)
+        with pytest.raises(ValueError, match=r"publish got no tensor for 1 keys \(first 'bias'\)"):
+            dm.publish([{"weight": torch.zeros(2, 2)}], 1)
         with pytest.raises(
             ValueError, match=r"publish got weight of shape \(3,\); expected \(2, 2\)"
         ):
-            dm.publish({"weight": torch.zeros(3), "bias": torch.zeros(2)}, 1)
+            dm.publish([{"weight": torch.zeros(3), "bias": torch.zeros(2)}], 1)
         with pytest.raises(ValueError, match=r"publish got version=0; expected a version above"):
-            dm.publish(weights_of(0), 0)
-        dm.publish(weights_of(1), 1)
+            dm.publish([weights_of(0)], 0)
+        dm.publish([weights_of(1)], 1)
         with pytest.raises(
             RuntimeError,
             match=r"^the rollout producer failed while generating rollout batch 1 with version 1: "
@@ -294,7 +293,7 @@ def test_a_failing_producer_and_a_bad_publish_raise_clear_errors():
         dm.teardown("fit")
 
 
-def test_publish_buckets_fills_a_slot_bucket_by_bucket_and_a_bad_stream_keeps_it_free():
+def test_publish_fills_a_slot_bucket_by_bucket_and_a_bad_stream_keeps_it_free():
     dm = fake_module(FakeEngine, max_staleness=0)
     try:
         dm.next_batch()
@@ -308,15 +307,15 @@ def test_publish_buckets_fills_a_slot_bucket_by_bucket_and_a_bad_stream_keeps_it
         ]
         for stream, match in bad_streams:
             with pytest.raises(ValueError, match=rf"^publish {match}"):
-                dm.publish_buckets(iter(stream), 1)
+                dm.publish(iter(stream), 1)
             assert len(slots._free) == free and dm.trainer_version == 0
         weights = weights_of(1)
-        dm.publish_buckets(iter([{"weight": weights["weight"]}, {"bias": weights["bias"]}]), 1)
+        dm.publish(iter([{"weight": weights["weight"]}, {"bias": weights["bias"]}]), 1)
         assert dm.trainer_version == 1
         batch = dm.next_batch()  # sampled with the published version's weights
         assert (batch.behavior_logprobs[batch.mask] == 1.0).all()
         with pytest.raises(ValueError, match=r"^publish got version=1; expected a version above"):
-            dm.publish_buckets(iter([weights_of(1)]), 1)
+            dm.publish(iter([weights_of(1)]), 1)
     finally:
         dm.teardown("fit")
 
@@ -351,6 +350,112 @@ def test_weight_slots_copy_into_reused_buffers_and_refuse_double_frees():
         source = weights_of(1)
 
 
+# ---------------------------------------------------------------------------- both data modules
+
+
+def test_the_sync_module_drops_stale_rows_through_split_stale(monkeypatch):
+    calls: list[tuple[int, int, int | None, int, int]] = []
+
+    def spy(batch, trainer_version, max_staleness):
+        kept, report = split_stale(batch, trainer_version, max_staleness)
+        calls.append((len(batch), trainer_version, max_staleness, report.dropped_stale, len(kept)))
+        return kept, report
+
+    monkeypatch.setattr(sync_data, "split_stale", spy)
+    dm = RolloutDataModule(
+        task=ArithmeticTask(),
+        reward=ConstantReward(),
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        lag=1,
+        max_staleness=1,
+    )
+    dm.engine = FakeEngine()
+    dm._history[0] = weights_of(0)
+    dm.publish([weights_of(1)], 1)  # lag 1: the engine keeps version 0, rows are 1 version old
+    batch = dm.next_batch()
+    assert len(batch) == 4 and batch.info["staleness_max"] == 1.0
+    dm.max_staleness = 0  # as after a resume with a smaller bound: every row is too old
+    assert len(dm._generate_batch()) == 0
+    assert calls == [(4, 1, 1, 0, 4), (4, 1, 0, 4, 0)]
+    c = dm.counters
+    assert c["dropped_stale"] == 4 and c["trained"] == 4 and c["generated"] == 8
+
+
+def test_a_data_module_without_connect_fails_with_one_sentence():
+    modules = [
+        RolloutDataModule(task=ArithmeticTask(), reward=ConstantReward()),
+        fake_module(FakeEngine, start=False),
+    ]
+    for dm in modules:
+        name = type(dm).__name__
+        with pytest.raises(
+            RuntimeError,
+            match=rf"^{name} has no actor to build its engine from; expected connect\(handoff\) "
+            r"first \(BraceModule.setup does it when this is the Trainer's datamodule\)\.$",
+        ):
+            dm.next_batch()
+        dm.teardown("fit")
+
+
+def _buckets(weights: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``weights`` cut into three buckets (the way an FSDP2 trainer streams them)."""
+    names = list(weights)
+    cuts = [names[:1], names[1:3], names[3:]]
+    return [{name: weights[name].clone() for name in part} for part in cuts]
+
+
+@pytest.mark.parametrize("lag", [0, 1])
+def test_sync_publish_in_buckets_gives_the_engine_the_weights_of_one_dict(lag):
+    actor = load_actor("tiny-char", tokenizer=load_tokenizer("tiny-char"), hidden_size=32)
+    engines = {}
+    for way in ("whole", "buckets"):
+        dm = RolloutDataModule(task=ArithmeticTask(), reward=ConstantReward(), lag=lag)
+        dm.connect(ActorHandoff(actor, bucket_bytes=None))
+        dm._ensure_engine()
+        for version in (1, 2):
+            weights = {
+                k: torch.randn_like(v, generator=torch.Generator().manual_seed(version))
+                for k, v in actor.state_dict().items()
+            }
+            dm.publish([weights] if way == "whole" else _buckets(weights), version)
+        engines[way] = dm.engine
+    assert engines["whole"].version == engines["buckets"].version == 2 - lag
+    whole, buckets = (engines[w].model.state_dict() for w in ("whole", "buckets"))
+    assert all(torch.equal(whole[name], buckets[name]) for name in whole)
+    assert not torch.equal(whole["model.norm.weight"], actor.state_dict()["model.norm.weight"])
+
+
+class RecordingEngine(FakeEngine):
+    """A FakeEngine that keeps a copy of every set of weights it installs."""
+
+    def __init__(self, model: nn.Module, *, installed: list, **kwargs: Any) -> None:
+        super().__init__(model, **kwargs)
+        self.installed = installed
+
+    def update_weights(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
+        super().update_weights(weights, version)
+        self.installed.append((version, {k: v.clone() for k, v in weights.items()}))
+
+
+def test_async_publish_in_buckets_gives_the_producer_the_weights_of_one_dict():
+    published = {"weight": torch.arange(4.0).reshape(2, 2), "bias": torch.tensor([5.0, 6.0])}
+    installed: dict[str, list] = {}
+    for way in ("whole", "buckets"):
+        installed[way] = []
+        dm = fake_module(partial(RecordingEngine, installed=installed[way]), max_staleness=0)
+        try:
+            dm.next_batch()
+            dm.publish([published] if way == "whole" else _buckets(published), 1)
+            dm.next_batch()  # S = 0: generated with the version-1 weights
+        finally:
+            dm.teardown("fit")
+    assert [v for v, _ in installed["whole"]] == [v for v, _ in installed["buckets"]]
+    (version, whole), (_, buckets) = installed["whole"][-1], installed["buckets"][-1]
+    assert version == 1 and all(torch.equal(whole[k], buckets[k]) for k in published)
+    assert all(torch.equal(whole[k], published[k]) for k in published)
+
+
 def test_publishing_faster_than_a_hookless_engine_waits_for_a_free_slot():
     # S = 4 in async mode uses 3 slots; an engine without decoding-step hooks frees them only
     # between batches, so six quick publishes must wait for the running batch to end.
@@ -361,7 +466,7 @@ def test_publishing_faster_than_a_hookless_engine_waits_for_a_free_slot():
     try:
         dm.next_batch()
         for version in range(1, 7):
-            dm.publish(weights_of(version), version)
+            dm.publish([weights_of(version)], version)
         assert dm._slots is not None and len(dm._slots.tensors) == 3
         assert any(doing.startswith("waiting for a free weight slot") for doing in waits)
         for _ in range(6):
@@ -396,11 +501,15 @@ def test_on_step_hook_installs_weights_between_decoding_steps():
     ("kwargs", "message"),
     [
         ({"max_staleness": -1}, "max_staleness must be an integer >= 0; got -1."),
-        ({"lag_mode": "lagged"}, "lag_mode must be 'async' or 'fixed'; got 'lagged'."),
+        (
+            {"lag": 1},
+            "lag must be None (newest weights before each batch) or max_staleness=2 (a fixed "
+            "lag of exactly max_staleness versions); got 1.",
+        ),
         ({"producer": "gpu"}, "producer must be 'process' or 'thread'; got 'gpu'."),
         ({"producer_timeout": 0}, "producer_timeout must be > 0 seconds; got 0."),
         ({"producer_threads": 0}, "producer_threads must be an integer >= 1; got 0."),
-        ({"interruptible": True, "lag_mode": "fixed"}, "interruptible=True needs lag_mode='async'"),
+        ({"interruptible": True, "lag": 2}, "interruptible=True needs lag=None (newest weights)"),
         ({"interruptible": "yes"}, "interruptible must be a bool; got 'yes'."),
     ],
 )
@@ -437,7 +546,7 @@ def test_cli_engine_factories_are_unwrapped_for_the_producer(tmp_path):
     )
     factory = portable_factory(cli.datamodule.engine_factory)
     assert factory.func is EmbeddedEngine and factory.keywords["max_new_tokens"] == 12
-    assert cli.datamodule.max_staleness == 2 and cli.datamodule.lag_mode == "async"
+    assert cli.datamodule.max_staleness == 2 and cli.datamodule.lag is None
 
 
 # ---------------------------------------------------------------------------- real producers (slow)
@@ -509,7 +618,7 @@ def test_producer_processes_fail_loudly_within_the_timeout():
             assert int((noisy.trainer_version - batch.min_versions()).max()) <= 1
             assert_conserved(noisy, batch)
             time.sleep(rng.uniform(0.0, 0.05))
-            noisy.publish(actor.state_dict(), step + 1)
+            noisy.publish([actor.state_dict()], step + 1)
         assert noisy.producer_info["torch_threads"] == 2
         for dm in (killed, hung):
             dm.next_batch()
@@ -521,13 +630,13 @@ def test_producer_processes_fail_loudly_within_the_timeout():
         with pytest.raises(
             RuntimeError, match=rf"^the rollout producer \(pid {pid}\) exited with code -9"
         ):
-            killed.publish(actor.state_dict(), 1)
+            killed.publish([actor.state_dict()], 1)
             killed.next_batch()
         assert time.monotonic() - start < 5.0 and gone(pid)
 
         pid = hung.producer_pid
         os.kill(pid, signal.SIGSTOP)
-        hung.publish(actor.state_dict(), 1)
+        hung.publish([actor.state_dict()], 1)
         start = time.monotonic()
         with pytest.raises(TimeoutError, match=r"sent no heartbeat for .* producer_timeout=2 s"):
             hung.next_batch()
@@ -536,9 +645,11 @@ def test_producer_processes_fail_loudly_within_the_timeout():
 
         bad = {name: torch.zeros(3) for name in actor.state_dict()}
         with pytest.raises(ValueError, match=r"^publish got \S+ of shape \(3,\); expected \("):
-            noisy.publish(bad, 7)  # refused in the trainer: the producer keeps running
+            noisy.publish([bad], 7)  # refused in the trainer: the producer keeps running
         noisy.next_batch()
-        noisy.publish(actor.state_dict(), 7)  # the engine's update_weights fails from version 7 on
+        noisy.publish(
+            [actor.state_dict()], 7
+        )  # the engine's update_weights fails from version 7 on
         with pytest.raises(
             RuntimeError,
             match=r"^the rollout producer failed while installing the weights of version 7: "
@@ -580,7 +691,7 @@ def test_fixed_lag_resume_is_exact(tmp_path):
     common = [
         "--config",
         str(CONFIGS / "async.yaml"),
-        "--data.lag_mode=fixed",
+        "--data.lag=2",
         "--data.max_staleness=2",
         "--model.critic_warmup_steps=1",
         "--model.ppo_epochs=1",  # global_step arithmetic below: 2 + 4 + 4 optimizer steps

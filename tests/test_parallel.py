@@ -13,7 +13,7 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -26,9 +26,9 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule
 
-from brace_lightning.data import RolloutDataModule
-from brace_lightning.data.sync import gather_rank_states, rank_state
+from brace_lightning.data import PublishTarget, RolloutDataModule
 from brace_lightning.models import ValueModel, build_char_tokenizer, load_actor
+from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.parallelize import (
     data_parallel_mesh,
     full_state_dict,
@@ -36,10 +36,15 @@ from brace_lightning.models.parallelize import (
     mixed_precision_dtypes,
     parallelize,
     transformer_blocks,
-    unsharded_copy,
 )
 from brace_lightning.models.policy import token_logprobs
-from brace_lightning.models.weight_sync import gather_state_dict, gathered_buckets, plan_buckets
+from brace_lightning.models.weight_sync import (
+    DEFAULT_BUCKET_MB,
+    MIB,
+    gather_state_dict,
+    gathered_buckets,
+    plan_buckets,
+)
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.ranks import combine_rank_metrics
@@ -115,14 +120,18 @@ def test_mixed_precision_policy_sets_the_compute_dtype(mesh: DeviceMesh) -> None
     assert half(input_ids=ids, attention_mask=attn).logits.dtype == torch.bfloat16
 
 
-def test_unsharded_copy_is_a_plain_model_with_the_same_outputs(mesh: DeviceMesh) -> None:
+def engine_model(actor: nn.Module, bucket_bytes: int | None = DEFAULT_BUCKET_MB * MIB) -> nn.Module:
+    return ActorHandoff(actor, bucket_bytes=bucket_bytes).engine_model()
+
+
+def test_engine_model_is_a_plain_model_with_the_same_outputs(mesh: DeviceMesh) -> None:
     actor = tiny_actor()
-    assert unsharded_copy(actor) is actor  # nothing to gather: the engines copy it themselves
+    assert engine_model(actor) is actor  # nothing to gather: the engines copy it themselves
     ids, attn = _inputs()
     with torch.no_grad():
         expected = actor(input_ids=ids, attention_mask=attn).logits
     parallelize(actor, mesh, activation_checkpointing=True)
-    copy = unsharded_copy(actor)
+    copy = engine_model(actor)
     assert not is_sharded(copy) and type(copy).__name__ == "Qwen2ForCausalLM"
     with torch.no_grad():
         assert torch.allclose(copy(input_ids=ids, attention_mask=attn).logits, expected, atol=1e-6)
@@ -188,10 +197,10 @@ def test_data_module_state_is_kept_per_rank() -> None:
     state = data.state_dict()
     assert "per_rank" not in state  # a single process keeps the old layout
     two = SimpleNamespace(trainer=SimpleNamespace(world_size=2, global_rank=1))
-    assert rank_state(two, {"per_rank": [{"r": 0}, {"r": 1}]}) == {"r": 1}
+    assert RolloutDataModule._rank_state(two, {"per_rank": [{"r": 0}, {"r": 1}]}) == {"r": 1}
     with pytest.raises(ValueError, match="holds the state of 1 rank"):
-        rank_state(two, state)
-    assert gather_rank_states(SimpleNamespace(trainer=None), state) is state
+        RolloutDataModule._rank_state(two, state)
+    assert data._gather_rank_states(state) is state
 
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "64"])
@@ -239,40 +248,49 @@ def test_publish_buckets_on_one_rank_equal_full_state_dict_with_tied_weights_onc
     assert gather_state_dict(actor, bucket_bytes=5000, dst=0) is not None
 
 
-class _WholeDictData:
-    """A data module that takes whole state dicts only (no ``publish_buckets``)."""
+class _CollectingData(PublishTarget):
+    """Keeps copies of every published stream's buckets."""
 
     def __init__(self) -> None:
-        self.published: list[tuple[dict[str, torch.Tensor], int]] = []
+        super().__init__()
+        self.published: list[tuple[list[dict[str, torch.Tensor]], int]] = []
 
-    def publish(self, weights: dict[str, torch.Tensor], version: int) -> None:
-        self.published.append((weights, version))
+    def publish(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        copies = [{k: v.clone() for k, v in bucket.items()} for bucket in buckets]
+        self.published.append((copies, version))
 
 
-class _FirstBucketData(_WholeDictData):
+class _FirstBucketData(_CollectingData):
     """Takes the first bucket of each stream and leaves the rest (the module must drain it)."""
 
-    def publish_buckets(self, buckets: Iterator[dict[str, torch.Tensor]], version: int) -> None:
-        self.published.append((next(iter(buckets)), version))
+    def publish(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        self.published.append(([dict(next(iter(buckets)))], version))
 
 
-def test_publish_from_a_sharded_module_streams_falls_back_and_checks_finiteness(
+def _connect(module: BraceModule, data: PublishTarget) -> None:
+    module._trainer = SimpleNamespace(datamodule=data)  # type: ignore[assignment]
+    module.setup("fit")  # builds the hand-off and connects it
+
+
+def test_publish_from_a_sharded_module_streams_buckets_or_one_dict_and_checks_finiteness(
     mesh: DeviceMesh,
 ) -> None:
     module = BraceModule(tiny_hidden_size=64, tiny_num_layers=1, weight_sync_bucket_mb=1)
     parallelize(module.actor, mesh)
     reference = full_state_dict(module.actor)
-    for bucket_mb in (1, None):  # buckets, then the old whole-dict path
-        module.weight_sync_bucket_mb = bucket_mb
-        whole = _WholeDictData()
-        module._trainer = SimpleNamespace(datamodule=whole)  # type: ignore[assignment]
+    for bucket_mb in (1, None):  # buckets, then the whole-dict path
+        module.weight_sync_bucket_bytes = None if bucket_mb is None else bucket_mb * MIB
+        data = _CollectingData()
+        _connect(module, data)
+        assert data.handoff is module.handoff
         module._publish()
-        [(weights, version)] = whole.published
+        [(buckets, version)] = data.published
+        weights = {name: t for bucket in buckets for name, t in bucket.items()}
         assert version == module.policy_version and set(weights) == set(reference)
         assert all(torch.equal(weights[name], reference[name]) for name in reference)
-    module.weight_sync_bucket_mb = 1
+    module.weight_sync_bucket_bytes = MIB
     first = _FirstBucketData()
-    module._trainer = SimpleNamespace(datamodule=first)  # type: ignore[assignment]
+    _connect(module, first)
     module._publish()  # the stream is run to its end although the data module stopped early
     assert len(first.published) == 1
     with torch.no_grad():
@@ -286,7 +304,7 @@ def test_publish_from_a_sharded_module_streams_falls_back_and_checks_finiteness(
     assert len(first.published) == 1  # nothing was published
 
 
-def test_publish_buckets_to_a_lagged_data_module_keeps_the_gathered_tensors() -> None:
+def test_publish_to_a_lagged_data_module_keeps_a_copy_of_the_buckets() -> None:
     actor = tiny_actor(layers=1)
     data = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward(), lag=1)
     data.engine = EmbeddedEngine(actor)
@@ -298,14 +316,15 @@ def test_publish_buckets_to_a_lagged_data_module_keeps_the_gathered_tensors() ->
         return [{n: weights[n] for n in names[:3]}, {n: weights[n] for n in names[3:]}]
 
     first = version(1.0)
-    data.publish_buckets(iter(first), 1)
+    data.publish(iter(first), 1)
     assert data.engine.version == 0  # lag 1: the engine still samples with version 0
-    assert data._history[1]["model.norm.weight"] is first[1]["model.norm.weight"]  # not copied
-    data.publish_buckets(iter(version(2.0)), 2)
+    first[1]["model.norm.weight"].fill_(7.0)  # buckets are valid during publish only: kept copied
+    assert bool((data._history[1]["model.norm.weight"] == 1.0).all())
+    data.publish(iter(version(2.0)), 2)
     assert data.engine.version == 1 and sorted(data._history) == [1, 2]
     assert all(bool((t == 1.0).all()) for t in data.engine.model.state_dict().values())
     with pytest.raises(ValueError, match=r"^publish got version=2; expected a version above"):
-        data.publish_buckets(iter(version(3.0)), 2)
+        data.publish(iter(version(3.0)), 2)
 
 
 # ---------------------------------------------------------------------- multi-process runs
@@ -567,10 +586,10 @@ def _publish_rank_main(rank: int, out: str) -> None:
         "tiny-char", tokenizer=build_char_tokenizer(), hidden_size=64, num_layers=3, seed=5
     )
     parallelize(actor, mesh, activation_checkpointing=True)
-    old_engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=None))
-    engines = {size: EmbeddedEngine(unsharded_copy(actor)) for size in (1, 6000)}
+    old_engine = EmbeddedEngine(engine_model(actor, bucket_bytes=None))
+    engines = {size: EmbeddedEngine(engine_model(actor)) for size in (1, 6000)}
     dm = RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward())
-    dm.engine = EmbeddedEngine(unsharded_copy(actor, bucket_bytes=4096))
+    dm.engine = EmbeddedEngine(engine_model(actor, bucket_bytes=4096))
     with torch.no_grad():  # new weights, different on each rank's shards
         generator = torch.Generator().manual_seed(100 + rank)
         for param in actor.parameters():
@@ -580,7 +599,7 @@ def _publish_rank_main(rank: int, out: str) -> None:
     old_engine.update_weights(reference, 1)
     for size, engine in engines.items():
         engine.update_weights_from_buckets(gathered_buckets(actor, bucket_bytes=size), 1)
-    dm.publish_buckets(gathered_buckets(actor, bucket_bytes=6000), 1)
+    dm.publish(ActorHandoff(actor, bucket_bytes=6000).buckets(), 1)
     to_rank0 = gather_state_dict(actor, bucket_bytes=6000, dst=0)
     results = {
         "old_engine": _bit_identical(old_engine.model.state_dict(), reference),
@@ -591,7 +610,7 @@ def _publish_rank_main(rank: int, out: str) -> None:
         "datamodule": _bit_identical(dm.engine.model.state_dict(), reference),
         "versions": [e.version for e in (*engines.values(), dm.engine)],
         "rank0": None if to_rank0 is None else _bit_identical(to_rank0, reference),
-        "copy": _bit_identical(unsharded_copy(actor).state_dict(), reference),
+        "copy": _bit_identical(engine_model(actor).state_dict(), reference),
         "changed": not torch.equal(
             reference["model.norm.weight"], torch.ones_like(reference["model.norm.weight"])
         ),

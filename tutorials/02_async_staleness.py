@@ -25,7 +25,7 @@
 # We train the quickstart's tiny model on CPU with a producer *process* (generation and training
 # on different cores), then read back from TensorBoard what the data module logged: the version
 # timeline, the staleness histogram and the sample counters. Last, a small sweep over S with
-# reproducible lag (`lag_mode="fixed"`) compares the GAE and BRACE value targets.
+# reproducible lag (`lag=S`) compares the GAE and BRACE value targets.
 #
 # Sizes are cut down so that the notebook runs in a few minutes on two cores;
 # `brace-lightning fit --config configs/quickstart.yaml --config configs/async.yaml` is the
@@ -60,7 +60,7 @@ log_root = tempfile.mkdtemp(prefix="brace-async-")
 
 
 # %%
-def train(value_target, *, max_staleness, lag_mode, steps, name, producer="process"):
+def train(value_target, *, max_staleness, lag, steps, name, producer="process"):
     """Warm-start, then run ``steps`` rollout steps; returns (log folder, data module)."""
     pl.seed_everything(0)
     module = BraceModule(
@@ -80,7 +80,7 @@ def train(value_target, *, max_staleness, lag_mode, steps, name, producer="proce
         prompts_per_step=8,
         samples_per_prompt=4,
         max_staleness=max_staleness,
-        lag_mode=lag_mode,
+        lag=lag,
         producer=producer,
         producer_threads=1,
     )
@@ -102,7 +102,7 @@ def train(value_target, *, max_staleness, lag_mode, steps, name, producer="proce
 # %% [markdown]
 # ## An asynchronous run
 #
-# S = 2 with `lag_mode="async"`: before each batch the producer installs the newest weights it has,
+# S = 2 with `lag=None`: before each batch the producer installs the newest weights it has,
 # so how stale a batch is depends on timing — how far ahead the producer got while the trainer
 # trained. The first two steps only train the critic (`critic_warmup_steps=2`), so they publish no
 # new weights.
@@ -112,7 +112,7 @@ STEPS = 12
 log_dir, data = train(
     BRACE(),
     max_staleness=2,
-    lag_mode="async",
+    lag=None,
     steps=STEPS,
     name="async",
 )
@@ -222,7 +222,7 @@ print("after fit:", data.counters)
 # %% [markdown]
 # ## A small staleness sweep: GAE vs BRACE
 #
-# `lag_mode="fixed"` makes the producer sample batch n with the weights of exactly version
+# `lag=S` (equal to `max_staleness`) makes the producer sample batch n with the weights of exactly version
 # v(n − S), whatever the timing, so each run is reproducible and every batch is exactly S versions
 # old once the actor has trained S steps. For S ∈ {0, 2, 4} we train with three value targets:
 #
@@ -252,7 +252,7 @@ for s in (0, 2, 4):
         run_dir, _ = train(
             target(),
             max_staleness=s,
-            lag_mode="fixed",
+            lag=s,
             steps=SWEEP_STEPS,
             name=f"S{s}-{target_name}",
             producer="thread",

@@ -6,12 +6,20 @@ in a concurrent producer (a process by default) with staleness bounded by ``max_
 """
 
 from brace_lightning.data.async_ import ASYNC_COUNTERS, AsyncRolloutDataModule
-from brace_lightning.data.sync import COUNTERS, EngineFactory, RolloutDataModule
+from brace_lightning.data.base import (
+    COUNTERS,
+    EngineFactory,
+    PublishTarget,
+    RolloutDataModuleBase,
+)
+from brace_lightning.data.sync import RolloutDataModule
 
 __all__ = [
     "ASYNC_COUNTERS",
     "COUNTERS",
     "AsyncRolloutDataModule",
     "EngineFactory",
+    "PublishTarget",
     "RolloutDataModule",
+    "RolloutDataModuleBase",
 ]

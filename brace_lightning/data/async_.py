@@ -14,11 +14,11 @@ still checked at consume time: rows above S (a resume with a smaller S, a custom
 and counted as ``dropped_stale``. S = 0 is synchronous on-policy PPO — the producer idles while the
 trainer trains — and yields exactly the batches of ``RolloutDataModule(lag=0)`` with the same seeds.
 
-- ``lag_mode: fixed``: the producer handles commands strictly in order, so batch ``n`` is generated
-  with the weights of version ``v(n − S)`` — exactly S versions behind the trainer once past the
+- ``lag: S`` (a fixed lag, spelled as ``RolloutDataModule``'s ``lag``): the producer handles
+  commands strictly in order, so batch ``n`` is generated with the weights of version ``v(n − S)`` — exactly S versions behind the trainer once past the
   first S steps (and the critic warm-up) — whatever the timing: runs are reproducible and still
   overlap generation with training.
-- ``lag_mode: async``: the producer installs the newest weights it has before each batch, and with
+- ``lag: null`` (asynchronous, the default): the producer installs the newest weights it has before each batch, and with
   ``interruptible: true`` also between decoding steps, so a response may mix versions (recorded per
   token; the oldest one is the row's staleness). The key/value cache of the tokens sampled before a
   weight change is kept, as in vLLM without a pause; the recorded behavior log-probs are those of
@@ -50,30 +50,14 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Literal
 
-import lightning.pytorch as pl
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
-from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 from brace_lightning.checks import require_bool, require_int
-from brace_lightning.data.empty import EmptyBatchGuard
-from brace_lightning.data.sync import (
-    COUNTERS,
-    EngineFactory,
-    _RolloutStream,
-    gather_rank_states,
-    rank_state,
-    seed_for_rank,
-    skip_validation_without_batches,
-    validation_loader,
-)
-from brace_lightning.data.throughput import TokenThroughput
-from brace_lightning.models import load_tokenizer
-from brace_lightning.models.parallelize import full_state_dict, is_sharded, unsharded_copy
-from brace_lightning.models.weight_sync import gathered_buckets, module_bucket_bytes
+from brace_lightning.data.base import COUNTERS, EngineFactory, RolloutDataModuleBase
+from brace_lightning.models.handoff import ActorHandoff
+from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, MIB
 from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
-from brace_lightning.rollout.multiturn import check_reward_or_env
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.rollout.workers import (
     ProducerHandle,
@@ -84,7 +68,6 @@ from brace_lightning.rollout.workers import (
     decode_batch,
     portable_factory,
 )
-from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import PromptSource, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
@@ -99,7 +82,7 @@ STARTUP_SECONDS = 120.0
 WAIT_SLICE_SECONDS = 0.1
 
 
-class AsyncRolloutDataModule(pl.LightningDataModule):
+class AsyncRolloutDataModule(RolloutDataModuleBase):
     """Rollout batches from a concurrent producer with staleness bounded by ``max_staleness``.
 
     Args:
@@ -120,9 +103,9 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         samples_per_prompt: responses per prompt (a group).
         max_staleness: S; no row with ``trainer_version − min(token versions) > S`` is trained on,
             and at most S + 1 batches are generated ahead of the trainer. 0 = synchronous on-policy.
-        lag_mode: ``"async"`` (newest weights before each batch) or ``"fixed"`` (the weights of
-            exactly S versions ago, independent of timing).
-        interruptible: (async only) also install newer weights between decoding steps of in-flight
+        lag: None (asynchronous: the newest weights before each batch) or ``max_staleness`` (a
+            fixed lag: the weights of exactly S versions ago, independent of timing).
+        interruptible: (``lag`` None only) also install newer weights between decoding steps of in-flight
             responses, which then carry several versions; needs an engine whose ``generate`` takes
             ``on_step`` (the embedded engine does).
         producer: ``"process"`` (a spawned process that rebuilds the actor from its Hugging Face
@@ -150,7 +133,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         prompts_per_step: int = 16,
         samples_per_prompt: int = 4,
         max_staleness: int = 2,
-        lag_mode: Literal["async", "fixed"] = "async",
+        lag: int | None = None,
         interruptible: bool = False,
         producer: Literal["process", "thread"] = "process",
         producer_threads: int = 1,
@@ -159,52 +142,46 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         val_batches: int = 0,
         max_consecutive_empty_batches: int = 10,
     ) -> None:
-        super().__init__()
-        self._empty = EmptyBatchGuard(max_consecutive_empty_batches)
-        for name, value, low in (
-            ("prompts_per_step", prompts_per_step, 1),
-            ("samples_per_prompt", samples_per_prompt, 1),
-            ("max_staleness", max_staleness, 0),
-            ("producer_threads", producer_threads, 1),
-            ("val_batches", val_batches, 0),
-        ):
-            require_int(name, value, low)
-        if lag_mode not in ("async", "fixed"):
-            raise ValueError(f"lag_mode must be 'async' or 'fixed'; got {lag_mode!r}.")
+        super().__init__(
+            task=task,
+            reward=reward,
+            env=env,
+            tokenizer=tokenizer,
+            engine=engine,
+            prompts_per_step=prompts_per_step,
+            samples_per_prompt=samples_per_prompt,
+            lag=lag,
+            max_staleness=max_staleness,
+            seed=seed,
+            val_batches=val_batches,
+            max_consecutive_empty_batches=max_consecutive_empty_batches,
+        )
+        require_int("max_staleness", max_staleness, 0)
+        require_int("producer_threads", producer_threads, 1)
+        if lag is not None and lag != max_staleness:
+            raise ValueError(
+                f"lag must be None (newest weights before each batch) or max_staleness="
+                f"{max_staleness} (a fixed lag of exactly max_staleness versions); got {lag!r}."
+            )
         if producer not in ("process", "thread"):
             raise ValueError(f"producer must be 'process' or 'thread'; got {producer!r}.")
         require_bool("interruptible", interruptible)
-        if interruptible and lag_mode == "fixed":
+        if interruptible and lag is not None:
             raise ValueError(
-                "interruptible=True needs lag_mode='async'; got lag_mode='fixed', whose batches use "
-                "exactly the weights of S versions ago."
+                f"interruptible=True needs lag=None (newest weights); got lag={lag}, whose batches "
+                "use exactly the weights of lag versions ago."
             )
         if isinstance(producer_timeout, bool) or not producer_timeout > 0:
             raise ValueError(f"producer_timeout must be > 0 seconds; got {producer_timeout!r}.")
-        check_reward_or_env(reward, env)
-        self.task = task
-        self.reward = reward
-        self.env = env
-        self.tokenizer_source = tokenizer
-        self.engine_factory = engine
-        self.prompts_per_step = prompts_per_step
-        self.samples_per_prompt = samples_per_prompt
-        self.max_staleness = max_staleness
-        self.lag_mode = lag_mode
+        self.max_staleness: int = max_staleness
         self.interruptible = interruptible
         self.producer = producer
         self.producer_threads = producer_threads
         self.producer_timeout = float(producer_timeout)
-        self.seed = seed = run_seed(seed)
-        self.val_batches = val_batches
-        self.tokenizer: PreTrainedTokenizerBase = load_tokenizer(tokenizer)
         self.buffer = StalenessBuffer(max_staleness)
-        self.trainer_version = 0
         self.counters: dict[str, int] = dict.fromkeys(ASYNC_COUNTERS, 0)
         #: ``{"pid": ..., "torch_threads": ...}`` once the producer reported ready.
         self.producer_info: dict[str, int] = {}
-        self._generator = torch.Generator().manual_seed(seed)
-        self._next_group = 0
         self._granted = 0  # batches 0 … _granted − 1 were requested
         self._received = 0  # … and 0 … _received − 1 arrived (one FIFO producer: in order)
         self._consumed = 0  # … and 0 … _consumed − 1 were handed to the trainer
@@ -215,26 +192,21 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self._first_return: float | None = None  # idle fractions count from the first batch on
         self._trainer_idle_total = 0.0
         self._producer_idle_total = 0.0
-        self._throughput = TokenThroughput()
+        self._spawn_early = False  # set by setup("fit"), used by connect
 
     # ------------------------------------------------------------------ Lightning hooks
 
     def setup(self, stage: str) -> None:
-        seed_for_rank(self)
-        skip_validation_without_batches(self, stage)
-        # Spawn early so that the producer's imports overlap with the rest of the fit start-up (the
-        # warm start); its weights are sent with the first request, after on_fit_start.
-        if stage == "fit" and self.producer == "process" and self._handle is None:
-            actor = self._trainer_actor(required=False)
-            if actor is not None:
-                self._spawn(actor)
+        super().setup(stage)
+        self._spawn_early = stage == "fit" and self.producer == "process"
 
-    def train_dataloader(self) -> DataLoader:
-        # No DataLoader workers: requests and weights leave from the training process.
-        return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
-
-    def val_dataloader(self) -> Any:
-        return validation_loader(self, self.val_batches, self.seed + 1)
+    def connect(self, handoff: ActorHandoff) -> None:
+        """Keep the hand-off; a ``fit`` with a producer process spawns it now, so that its
+        imports overlap with the rest of the fit start-up (the warm start). Its weights are sent
+        with the first request, after ``on_fit_start``."""
+        super().connect(handoff)
+        if self._spawn_early and self._handle is None:
+            self._spawn()
 
     def teardown(self, stage: str) -> None:
         self._shutdown()
@@ -249,7 +221,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         """
         if self._started:
             self._wait(lambda: self._received == self._granted, "checkpointing in-flight batches")
-        return gather_rank_states(self, self._local_state_dict())
+        return self._gather_rank_states(self._local_state_dict())
 
     def _local_state_dict(self) -> dict[str, Any]:
         return {
@@ -270,7 +242,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
                 "AsyncRolloutDataModule.load_state_dict was called after the producer started; "
                 "expected it before the first batch."
             )
-        state_dict = rank_state(self, state_dict)
+        state_dict = self._rank_state(state_dict)
         self._generator.set_state(state_dict["generator"])
         self._next_group = int(state_dict["next_group"])
         self._granted = self._received = int(state_dict["granted"])
@@ -295,50 +267,46 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
             reward=self.reward,
             env=self.env,
             samples_per_prompt=self.samples_per_prompt,
-            exact_versions=self.lag_mode == "fixed",
+            exact_versions=self.lag is not None,
             interruptible=self.interruptible,
             torch_threads=self.producer_threads,
             seed_offset=0 if self.trainer is None else self.trainer.global_rank,
         )
 
-    def _spawn(self, actor: nn.Module) -> None:
+    def _spawn(self) -> None:
+        handoff = self.handoff
         if self.producer == "thread":
-            engine = build_engine(
-                self._spec(), unsharded_copy(actor, bucket_bytes=self._bucket_bytes())
-            )
+            engine = build_engine(self._spec(), handoff.engine_model())
             self._handle = ProducerHandle.thread(self._spec(), engine)
             return
-        config = getattr(actor, "config", None)
-        if not isinstance(config, PretrainedConfig):
+        if handoff.config is None:
             raise ValueError(
                 f"producer='process' rebuilds the actor from its Hugging Face config, but the actor "
-                f"({type(actor).__name__}) has none; expected a transformers model, or use "
+                f"({handoff.actor_name}) has none; expected a transformers model, or use "
                 "producer='thread'."
             )
-        self._handle = ProducerHandle.spawn(self._spec(), config)
+        self._handle = ProducerHandle.spawn(self._spec(), handoff.config)
 
-    def start(self, actor: nn.Module) -> None:
-        """Start producing with ``actor``'s current weights as version ``trainer_version``.
+    def start(self, actor: nn.Module | None = None) -> None:
+        """Start producing with the connected actor's current weights as version
+        ``trainer_version``.
 
-        Called by the first :meth:`next_batch` with the trainer's actor; call it yourself to use the
-        module without a Trainer.
+        Called by the first :meth:`next_batch`; to use the module without a Trainer, call it
+        yourself with the ``actor`` (connected with the default bucket size).
         """
         if self._started:
             return
+        if actor is not None:
+            self.connect(ActorHandoff(actor, bucket_bytes=DEFAULT_BUCKET_MB * MIB))
         if self._handle is None:
-            self._spawn(actor)
+            self._spawn()
         assert self._handle is not None
         # Under FSDP every rank takes part in the gather and gets the full weights (each rank's
         # producer needs them), a bucket at a time straight into the first slot.
-        bucket_bytes = self._bucket_bytes()
-        shared = self.producer == "process"
-        if is_sharded(actor) and bucket_bytes is not None:
-            self._slots = WeightSlots(actor.state_dict(), self._slot_count(), shared=shared)
-            slot = self._slots.fill_buckets(gathered_buckets(actor, bucket_bytes=bucket_bytes))
-        else:
-            weights = full_state_dict(actor) if is_sharded(actor) else actor.state_dict()
-            self._slots = WeightSlots(weights, self._slot_count(), shared=shared)
-            slot = self._slots.fill(weights)
+        self._slots = WeightSlots(
+            self.handoff.template(), self._slot_count(), shared=self.producer == "process"
+        )
+        slot = self._slots.fill_buckets(self.handoff.buckets())
         self._handle.send(
             ("init", self.trainer_version, self._slots.tensors, slot, self._engine_state)
         )
@@ -346,21 +314,6 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         self._first_return = None
         self._throughput.reset()
         self._trainer_idle_total = self._producer_idle_total = 0.0
-
-    def _bucket_bytes(self) -> int | None:
-        """The trainer module's weight-sync bucket size (``models/weight_sync.py``)."""
-        module = None if self.trainer is None else self.trainer.lightning_module
-        return module_bucket_bytes(module)
-
-    def _trainer_actor(self, *, required: bool = True) -> nn.Module | None:
-        module = None if self.trainer is None else self.trainer.lightning_module
-        actor = getattr(module, "actor", None)
-        if actor is None and required:
-            raise RuntimeError(
-                "AsyncRolloutDataModule needs a Trainer whose LightningModule has an `actor` to "
-                "start its producer (or call start(actor) first)."
-            )
-        return actor
 
     def _shutdown(self, grace: float = 10.0) -> None:
         """Stop the producer (killed after ``grace`` s); finished batches it still sent are kept,
@@ -382,35 +335,16 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
 
     # ------------------------------------------------------------------ weights and versions
 
-    def publish(self, weights: Mapping[str, torch.Tensor], version: int) -> None:
-        """The trainer finished version ``version``: send the producer its weights, request more.
+    def publish(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
+        """The trainer finished version ``version``: copy ``buckets`` (its full state dict) into a
+        free weight slot as they arrive, send it to the producer, request more batches. The caller
+        runs the stream to its end afterwards.
 
         Raises:
-            ValueError: when ``version`` does not increase or the keys differ from the actor's.
+            ValueError: when ``version`` does not increase, or a key or shape differs from the
+                actor's (or keys are missing); the slot stays free.
             RuntimeError: when the producer died or failed (for example installing weights).
         """
-        self._publish_with(version, check=weights, fill=lambda slots: slots.fill(weights))
-
-    def publish_buckets(self, buckets: Iterable[Mapping[str, torch.Tensor]], version: int) -> None:
-        """:meth:`publish` for weights arriving as buckets of the full state dict (an FSDP2
-        trainer gathers them a bucket at a time, ``models/weight_sync.py``): each bucket is copied
-        into a free weight slot as it arrives. The caller runs the stream to its end afterwards.
-
-        Raises:
-            ValueError: as :meth:`publish` (a key or shape that differs, keys missing).
-            RuntimeError: as :meth:`publish`.
-        """
-        self._publish_with(version, check=None, fill=lambda slots: slots.fill_buckets(buckets))
-
-    def _publish_with(
-        self,
-        version: int,
-        *,
-        check: Mapping[str, torch.Tensor] | None,
-        fill: Callable[[WeightSlots], int],
-    ) -> None:
-        """Check ``version`` (and ``check``, the weights' keys and shapes), wait for a free slot,
-        ``fill`` it and send it to the producer."""
         if isinstance(version, bool) or not isinstance(version, int):
             raise ValueError(f"publish got version={version!r}; expected an integer.")
         if version <= self.trainer_version:
@@ -421,8 +355,6 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         if self._started:
             assert self._handle is not None and self._slots is not None
             slots = self._slots
-            if check is not None:
-                slots.check(check)
             self._pump(0)
             self._check_health(f"publishing version {version}")
             if not slots.has_free:  # an engine without decoding-step hooks frees slots per batch
@@ -432,7 +364,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
                 )
                 if self._first_return is not None:
                     self._trainer_idle_total += time.monotonic() - entered
-            self._handle.send(("weights", version, fill(slots)))
+            self._handle.send(("weights", version, slots.fill_buckets(buckets)))
         self.trainer_version = version
         if self._started:
             self._grant()
@@ -444,7 +376,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
         the producer frees a staged version as soon as a newer one arrives (at every decoding step of
         a hooked engine), so three slots suffice: installed-from, staged, being filled.
         """
-        if self.lag_mode == "fixed":
+        if self.lag is not None:
             return self.max_staleness + 2
         return min(self.max_staleness + 2, 3)
 
@@ -555,9 +487,7 @@ class AsyncRolloutDataModule(pl.LightningDataModule):
     def _consume_batch(self) -> RolloutBatch:
         """The next rollout batch, staleness-checked against the current ``trainer_version``."""
         if not self._started:
-            actor = self._trainer_actor()
-            assert actor is not None
-            self.start(actor)
+            self.start()
         entered = time.monotonic()
         self._grant()
         index = self._consumed

@@ -7,7 +7,7 @@ training step, no new policy version), count it in ``count/empty_batches`` and f
 Only ``max_consecutive_empty_batches`` empty batches in a row stop the run, with one sentence that
 gives the counts, because then nothing is ever going to be trained on. In the async module a
 skipped batch frees an admission slot as a trained one does, so the staleness bound still holds (a
-later batch may then be fewer than S versions behind in ``lag_mode: fixed``).
+later batch may then be fewer than S versions behind with a fixed ``lag``).
 """
 
 from __future__ import annotations

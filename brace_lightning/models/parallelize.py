@@ -8,18 +8,14 @@ transformers' gradient checkpointing of the same blocks). Calling it again on a 
 Lightning's ``configure_model`` may run more than once.
 
 The rollout engines need plain, unsharded weights: :func:`full_state_dict` gathers a sharded model's
-weights on every rank (with the Hugging Face key names) and :func:`unsharded_copy` returns a model the
-engines can copy (filled bucket by bucket, ``models/weight_sync.py``). Both are the identity on a
-model that is not sharded, so the data modules call them unconditionally. The trainer's publish path
-streams buckets instead of calling :func:`full_state_dict` (``docs/fsdp.md``).
+weights on every rank (with the Hugging Face key names); ``models/handoff.py`` decides when to use it
+and when to stream buckets instead (``docs/fsdp.md``).
 
 Simplified: only data parallelism (FSDP2's ZeRO-3 sharding, ``reshard_after_forward=True``); a mesh
 with a tensor-parallel dimension larger than 1 is refused rather than silently used as replicas.
 """
 
 from __future__ import annotations
-
-import copy
 
 import torch
 from torch import nn
@@ -36,11 +32,8 @@ from torch.distributed.fsdp import (
     fully_shard,
 )
 from torch.distributed.tensor import DTensor
-from transformers import PreTrainedModel
 
 from brace_lightning.models.critic import ValueModel, transformer_of
-from brace_lightning.models.policy import load_causal_lm
-from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, MIB, gathered_buckets
 
 #: What ``checkpoint_wrapper`` (activation checkpointing under FSDP2, see :func:`parallelize`) adds
 #: to the parameter names of a wrapped block; removed wherever names must be Hugging Face's.
@@ -216,47 +209,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
             tensor = tensor.full_tensor()
         out[name] = tensor.detach().to("cpu", copy=True)
     return out
-
-
-def unsharded_copy(
-    model: nn.Module, *, bucket_bytes: int | None = DEFAULT_BUCKET_MB * MIB
-) -> nn.Module:
-    """A model the rollout engines can deep-copy: ``model`` itself when it is not sharded, else a
-    fresh model built from its config holding the full weights (a collective), on the device of
-    this rank's shards (so a GPU rank's engine generates on its GPU).
-
-    The weights arrive in buckets of at most ``bucket_bytes`` (``models/weight_sync.py``), each
-    copied into the fresh model and dropped; None gathers :func:`full_state_dict` whole first.
-
-    Raises:
-        ValueError: when a sharded model is not a Hugging Face ``PreTrainedModel``.
-    """
-    if not is_sharded(model):
-        return model
-    if not isinstance(model, PreTrainedModel):
-        raise ValueError(
-            f"unsharded_copy got a sharded {type(model).__name__}; expected a transformers "
-            "PreTrainedModel (it is rebuilt from its config)."
-        )
-    device = next(model.parameters()).device  # a DTensor reports its local device
-    config = copy.deepcopy(model.config)
-    dtype = next(iter(model.state_dict().values())).dtype
-    plain = load_causal_lm(config, dtype=dtype, seed=0)
-    if bucket_bytes is None:
-        plain.load_state_dict(full_state_dict(model), strict=True)
-        return plain.to(device).eval()
-    target = plain.state_dict()
-    filled: set[str] = set()
-    with torch.no_grad():
-        for bucket in gathered_buckets(model, bucket_bytes=bucket_bytes):
-            for name, tensor in bucket.items():
-                if name in target:
-                    target[name].copy_(tensor)
-                filled.add(name)
-    if filled != set(target):
-        raise ValueError(
-            f"unsharded_copy got {len(filled)} tensors for the fresh model's {len(target)} "
-            f"({len(set(target) - filled)} missing, {len(filled - set(target))} unexpected); "
-            "expected the sharded model's state dict to have the same keys as its config's model."
-        )
-    return plain.to(device).eval()

@@ -57,9 +57,10 @@ def bucket_bytes_from_mb(value: object, name: str = "weight_sync_bucket_mb") -> 
 
 
 def module_bucket_bytes(module: object) -> int | None:
-    """The bucket size of a trainer module's ``weight_sync_bucket_mb`` in bytes (the default for
-    a module without the attribute; None = gather the whole state dict at once)."""
-    return bucket_bytes_from_mb(getattr(module, "weight_sync_bucket_mb", DEFAULT_BUCKET_MB))
+    """A trainer module's bucket size in bytes, as it converted ``weight_sync_bucket_mb`` once
+    (``weight_sync_bucket_bytes``; the default for a module without it; None = the whole state
+    dict at once)."""
+    return getattr(module, "weight_sync_bucket_bytes", DEFAULT_BUCKET_MB * MIB)
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -234,14 +235,6 @@ def gather_state_dict(
         weights.update(bucket)
         received = True
     return weights if received or _receives(dst) else None
-
-
-def collect_buckets(buckets: Iterable[Mapping[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """One dict from a stream of buckets (for consumers that need the whole state dict)."""
-    weights: dict[str, torch.Tensor] = {}
-    for bucket in buckets:
-        weights.update(bucket)
-    return weights
 
 
 def drain(buckets: Iterable[object]) -> None:

@@ -30,10 +30,10 @@ readable after its producer died.
 
 Which weights serve a request:
 
-- ``exact_versions=True`` (``lag_mode: fixed``): commands are handled strictly in order, so a request
+- ``exact_versions=True`` (a fixed ``lag``): commands are handled strictly in order, so a request
   is served with exactly the weights sent before it — the trainer's version when it was granted —
   and the samples do not depend on timing;
-- otherwise (``lag_mode: async``): the newest weights received are installed before each request and,
+- otherwise (``lag: null``): the newest weights received are installed before each request and,
   with ``interruptible=True``, between decoding steps (engines whose ``generate`` takes an ``on_step``
   hook), so one response may carry several versions, recorded per token.
 
