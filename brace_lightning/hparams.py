@@ -117,6 +117,25 @@ def log_final_hparams(module: pl.LightningModule) -> None:
 KL_MODES = ("loss", "reward")
 
 
+def check_ewma_support(
+    ewma_decay: float | None, *, fsdp_meta_init: bool = False, fsdp: bool = False
+) -> None:
+    """PPO-EWMA keeps a full unsharded copy of the actor: refused with FSDP2 and its meta init."""
+    if ewma_decay is None:
+        return
+    if fsdp_meta_init:
+        raise ValueError(
+            "actor_objective.ewma_decay is not supported with fsdp_meta_init=True (the EWMA "
+            "actor is a full copy of the actor); set one of them off."
+        )
+    if fsdp:
+        raise ValueError(
+            "actor_objective.ewma_decay is not supported with ModelParallelStrategy "
+            "(FSDP2): the EWMA actor is a full copy of the actor; use strategy 'ddp' or "
+            "ewma_decay=None."
+        )
+
+
 def check_module_arguments(args: dict[str, Any]) -> None:
     """One ValueError sentence for the first bad argument of ``BraceModule`` (``args``: its
     ``__init__``'s arguments by name)."""

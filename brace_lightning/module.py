@@ -1,25 +1,18 @@
 """The LightningModule: actor + critic, one PPO update per rollout batch.
 
-One ``training_step`` consumes one rollout batch (pulled from the data module's iterator, so nothing
-is prefetched with stale weights) and reads like the algorithm:
+``training_step`` takes one rollout batch from the data module's iterator (nothing is prefetched
+with stale weights) and reads like the algorithm: **score** (no grad: log π at the start of the
+step, the critic's V, the EWMA and reference log-probs; ``kl_mode="reward"`` puts −kl_coef·KL on the
+rewards) → **value target** (GAE, V-trace or BRACE: advantages, whitened, and critic targets) →
+**PPO epochs × minibatches** (one optimizer step of the critic and, after ``critic_warmup_steps``,
+the actor per minibatch; token losses summed over micro-batches and divided by the minibatch's
+global action-token count, so accumulation and data parallelism give one big batch's gradient) →
+**publish** the actor's weights (a new policy version) → **log**.
 
-1. **score** — without grad: log π of every token under the actor at the start of the step (the
-   proximal / target policy), the critic's values V, log-probs under the EWMA actor (PPO-EWMA)
-   and log π_ref under the frozen reference policy (``kl_coef`` > 0; with ``kl_mode="reward"`` the
-   penalty −kl_coef·KL(π‖π_ref) is added to the rewards);
-2. **value target** (GAE, V-trace or BRACE) → advantages (whitened over the batch's actions) and
-   critic targets;
-3. **PPO epochs × minibatches** — each minibatch is one optimizer step of the critic and (after
-   ``critic_warmup_steps``) of the actor, accumulated over micro-batches; every token loss is summed
-   and divided by the minibatch's global count of action tokens, so accumulation and data
-   parallelism give the gradient of one big batch;
-4. **publish** the new actor weights to the data module (a new policy version);
-5. **log** the step's metrics (``step_metrics.py``).
-
-The plumbing has homes of its own: micro-batch forwards and packing in ``scorer.py``, the
-reference and EWMA copies in ``models/copies.py``, data-parallel reductions in ``ranks.py``, the
-metrics in ``step_metrics.py``, model construction (and FSDP2 meta init) in ``models/build.py``,
-sharding in ``models/parallelize.py``.
+The plumbing has homes of its own: ``scorer.py`` (micro-batch forwards, packing), ``models/copies.py``
+(reference and EWMA policies), ``ranks.py`` (data-parallel reductions), ``step_metrics.py``
+(metrics), ``models/build.py`` (construction, FSDP2 meta init and sharding), ``optim.py``,
+``hparams.py`` (argument checks), ``models/handoff.py`` (the weights' one way out).
 """
 
 from __future__ import annotations
@@ -42,6 +35,7 @@ from brace_lightning.console import quiet_lightning
 from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.hparams import (
+    check_ewma_support,
     check_module_arguments,
     from_config,
     log_final_hparams,
@@ -52,7 +46,7 @@ from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.build import build_actor_critic, shard_actor_critic
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy
 from brace_lightning.models.handoff import ActorHandoff
-from brace_lightning.models.health import require_finite_logprobs
+from brace_lightning.models.health import require_finite_logprobs, require_finite_loss
 from brace_lightning.models.microbatch import MicroBatch, widen
 from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.sources import TINY, load_tokenizer
@@ -66,55 +60,16 @@ from brace_lightning.objectives.functional import kl_to_reference
 from brace_lightning.optim import adamw, clipped_step, schedulers_by_network
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.scorer import Scorer
+from brace_lightning.scorer import Scored, Scorer
 from brace_lightning.seeds import restore_rng_state, rng_state, run_seed
-from brace_lightning.step_metrics import (
-    PhaseTimer,
-    UpdateStats,
-    beta_metrics,
-    info_metrics,
-    log_sample_completions,
-    log_step_metrics,
-    masked_mean,
-    memory_statistics,
-    optimizer_statistics,
-    rollout_statistics,
-    step_statistics,
-)
+from brace_lightning.step_metrics import PhaseTimer, UpdateStats, log_training_step, masked_mean
 from brace_lightning.targets import BRACE, ValueTarget
-
-
-def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x − mean) / std`` over the actions of the batch, 0 at non-actions."""
-    mean = masked_mean(x, mask)
-    var = masked_mean((x - mean) ** 2, mask)
-    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), 0.0)
 
 
 def shift_values(values: torch.Tensor) -> torch.Tensor:
     """Critic outputs ``[B, T]`` (value of the prefix ending at t) → value of the state before the
     token at t, stored at column t (column 0 gets 0)."""
     return torch.nn.functional.pad(values[:, :-1], (1, 0))
-
-
-@dataclasses.dataclass
-class Scored:
-    """What the PPO epochs read, all ``[B, T]`` and without grad: the proximal log-probs
-    (``proximal``), the EWMA actor's (None: π_prox is the actor), log π_ref for the actor loss's KL
-    term (None without one), the critic's values before the update, the critic targets and the
-    (whitened) advantages."""
-
-    proximal: torch.Tensor
-    ewma: torch.Tensor | None
-    reference: torch.Tensor | None
-    old_values: torch.Tensor
-    returns: torch.Tensor
-    advantages: torch.Tensor
-
-    def rows(self, rows: torch.Tensor) -> Scored:
-        """The same tensors for minibatch ``rows``."""
-        fields = (getattr(self, field.name) for field in dataclasses.fields(self))
-        return Scored(*(None if t is None else t[rows] for t in fields))
 
 
 class BraceModule(pl.LightningModule):
@@ -204,6 +159,7 @@ class BraceModule(pl.LightningModule):
         value_target = from_config(value_target, ValueTarget, "value_target")
         actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
         critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
+        check_ewma_support(actor_objective.ewma_decay, fsdp_meta_init=fsdp_meta_init)
         self.save_hyperparameters()
         save_component_configs(self, ("value_target", "actor_objective", "critic_loss"))
         self.seed = seed = run_seed(seed)  # hparams keep None: the seed follows seed_everything
@@ -230,11 +186,6 @@ class BraceModule(pl.LightningModule):
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.kl_mode = kl_mode
-        if fsdp_meta_init and actor_objective.ewma_decay is not None:
-            raise ValueError(
-                "actor_objective.ewma_decay is not supported with fsdp_meta_init=True (the EWMA "
-                "actor is a full copy of the actor); set one of them off."
-            )
         self.tokenizer = load_tokenizer(actor)
         self.actor, self.critic, self._meta = build_actor_critic(
             actor,
@@ -290,12 +241,7 @@ class BraceModule(pl.LightningModule):
                 checkpoint_activations(self.actor)
                 checkpoint_activations(self.critic)
         else:
-            if self.ewma is not None:
-                raise ValueError(
-                    "actor_objective.ewma_decay is not supported with ModelParallelStrategy "
-                    "(FSDP2): the EWMA actor is a full copy of the actor; use strategy 'ddp' or "
-                    "ewma_decay=None."
-                )
+            check_ewma_support(self.actor_objective.ewma_decay, fsdp=True)
             shard_actor_critic(
                 self.actor,
                 self.critic,
@@ -341,18 +287,7 @@ class BraceModule(pl.LightningModule):
             if train_actor:
                 self.policy_version += 1
                 self._publish()
-        for name, seconds in timer.seconds.items():
-            stats.append(f"time/{name}_ms", seconds * 1e3)
-        tokens = batch.attention_mask.sum() * self.ppo_epochs
-        stats.append("perf/update_tokens_per_s", tokens / max(timer.seconds["update"], 1e-9))
-        extra = {
-            **rollout_statistics(batch, scored.advantages),
-            **optimizer_statistics(self),
-            **memory_statistics(self.device),
-            **kl_metrics,
-        }
-        self._log_step(batch, scored, stats, extra)
-        log_sample_completions(self, batch, self.tokenizer, self.rollout_step)
+        log_training_step(self, batch, scored, stats, kl_metrics, timer)
 
     def _next_batch(self, dataloader_iter: Iterator) -> RolloutBatch:
         batch, _, _ = next(dataloader_iter)
@@ -408,7 +343,7 @@ class BraceModule(pl.LightningModule):
         metrics["time/value_target_ms"] = (time.perf_counter() - start) * 1e3
         advantages = targets.advantages
         if self.whiten_advantages:
-            advantages = self._whiten(advantages, batch.mask)
+            advantages = self.ranks.whiten(advantages, batch.mask)
         scored = Scored(proximal, ewma, reference, old_values, targets.returns, advantages)
         return batch, scored, metrics
 
@@ -489,9 +424,7 @@ class BraceModule(pl.LightningModule):
         values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
         realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
         self.val_value_gap.update(values, realized, batch.mask)
-        size = len(batch)
-        # The logged "step" sets the logger's x-axis: the rollout step, as in training.
-        log = {"batch_size": size}
+        log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
         self.log("step", float(self.rollout_step), reduce_fx="max", **log)
         self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
         self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
@@ -501,18 +434,11 @@ class BraceModule(pl.LightningModule):
 
     # ------------------------------------------------------------------ helpers
 
-    def _whiten(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        return whiten(x, mask) if self.trainer.world_size == 1 else self.ranks.whiten(x, mask)
-
     def _clipped_step(self, model: nn.Module, optimizer: Any) -> torch.Tensor:
         return clipped_step(model, optimizer, self.max_grad_norm, self.device)
 
     def _backward(self, what: str, loss: torch.Tensor) -> None:
-        if not bool(torch.isfinite(loss)):
-            raise FloatingPointError(
-                f"rollout step {self.rollout_step}: the {what} is {float(loss)}; expected a finite "
-                "value (check learning rates, log-prob clamping and the rewards)."
-            )
+        require_finite_loss(what, loss, rollout_step=self.rollout_step)
         self.manual_backward(loss)
 
     @contextlib.contextmanager
@@ -541,22 +467,6 @@ class BraceModule(pl.LightningModule):
             datamodule.publish(buckets, self.policy_version)
         finally:
             drain(buckets)  # the gathers a data module left (no engine yet, or an error)
-
-    def _log_step(
-        self, batch: RolloutBatch, scored: Scored, stats: UpdateStats, extra: dict[str, float]
-    ) -> None:
-        # x-axis = rollout step (one rollout batch), not Lightning's global_step, which counts
-        # every optimizer step of both optimizers and so moves unevenly across critic warm-up.
-        metrics = {
-            **step_statistics(batch, scored.proximal, scored.old_values, scored.returns),
-            "policy_version": float(self.policy_version),
-            **beta_metrics(self.horizon_beta, batch, scored.returns, self.value_target.gamma),
-            **extra,
-            **stats.fold(self.ppo_epochs),
-            **info_metrics(batch),
-        }
-        values = self.ranks.combine_metrics({k: float(v) for k, v in metrics.items()})
-        log_step_metrics(self, values, self.rollout_step, len(batch))
 
     # ------------------------------------------------------------------ checkpoints
 

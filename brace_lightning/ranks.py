@@ -20,6 +20,15 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from brace_lightning.step_metrics import masked_mean
+
+
+def whiten(x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x − mean) / std`` over the actions of the batch, 0 at non-actions."""
+    mean = masked_mean(x, mask)
+    var = masked_mean((x - mean) ** 2, mask)
+    return torch.where(mask, (x - mean) * torch.rsqrt(var + eps), 0.0)
+
 
 class Ranks:
     """The reductions above over the ranks of ``trainer``."""
@@ -36,8 +45,9 @@ class Ranks:
         return count.clamp(min=1.0)
 
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-        """``(x − mean) / std`` over the actions of all ranks, 0 at non-actions (``world_size`` > 1
-        only; one process uses ``module.whiten``)."""
+        """:func:`whiten` with the mean and variance over the actions of all ranks."""
+        if self.world_size == 1:
+            return whiten(x, mask, eps)
         count = self.global_count(mask)
         mean = self.strategy.reduce(torch.where(mask, x, 0.0).sum(), reduce_op="sum") / count
         centered = torch.where(mask, x - mean, 0.0)

@@ -15,6 +15,7 @@ shape those forwards:
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -26,6 +27,26 @@ from brace_lightning.models.microbatch import MicroBatch, equalize, plan_micro_b
 from brace_lightning.models.packing import packed_token_logprobs, packed_values, prepare_packing
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.rollout.types import RolloutBatch
+
+
+@dataclasses.dataclass
+class Scored:
+    """What the PPO epochs read, all ``[B, T]`` and without grad: the proximal log-probs
+    (``proximal``), the EWMA actor's (None: π_prox is the actor), log π_ref for the actor loss's KL
+    term (None without one), the critic's values before the update, the critic targets and the
+    (whitened) advantages."""
+
+    proximal: torch.Tensor
+    ewma: torch.Tensor | None
+    reference: torch.Tensor | None
+    old_values: torch.Tensor
+    returns: torch.Tensor
+    advantages: torch.Tensor
+
+    def rows(self, rows: torch.Tensor) -> Scored:
+        """The same tensors for minibatch ``rows``."""
+        fields = (getattr(self, field.name) for field in dataclasses.fields(self))
+        return Scored(*(None if t is None else t[rows] for t in fields))
 
 
 class Scorer:

@@ -209,6 +209,40 @@ def info_metrics(batch: RolloutBatch) -> dict[str, float]:
     }
 
 
+def log_training_step(
+    module: Any,
+    batch: RolloutBatch,
+    scored: Any,
+    stats: UpdateStats,
+    scoring: dict[str, float],
+    timer: PhaseTimer,
+) -> None:
+    """Log one rollout step of ``module`` (a ``BraceModule``): the batch, critic and weights
+    statistics, β, the rollout and optimizer statistics, the scoring phase's ``scoring`` metrics,
+    the folded update ``stats``, the phases' times (``time/<phase>_ms``, ``perf/update_tokens_per_s``)
+    and the data module's info, combined over ranks; every
+    :data:`SAMPLES_EVERY_N_STEPS` steps a few completions. The x-axis is the rollout step, not
+    Lightning's global_step (which counts every optimizer step of both networks)."""
+    for name, seconds in timer.seconds.items():
+        stats.append(f"time/{name}_ms", seconds * 1e3)
+    tokens = batch.attention_mask.sum() * module.ppo_epochs
+    stats.append("perf/update_tokens_per_s", tokens / max(timer.seconds["update"], 1e-9))
+    metrics = {
+        **step_statistics(batch, scored.proximal, scored.old_values, scored.returns),
+        "policy_version": float(module.policy_version),
+        **beta_metrics(module.horizon_beta, batch, scored.returns, module.value_target.gamma),
+        **rollout_statistics(batch, scored.advantages),
+        **optimizer_statistics(module),
+        **memory_statistics(module.device),
+        **scoring,
+        **stats.fold(module.ppo_epochs),
+        **info_metrics(batch),
+    }
+    values = module.ranks.combine_metrics({k: float(v) for k, v in metrics.items()})
+    log_step_metrics(module, values, module.rollout_step, len(batch))
+    log_sample_completions(module, batch, module.tokenizer, module.rollout_step)
+
+
 #: Every this many rollout steps, a few sample completions go to TensorBoard as text.
 SAMPLES_EVERY_N_STEPS = 10
 #: Completions per text sample.

@@ -17,10 +17,10 @@ import torch
 
 from brace_lightning import module as module_file
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy
-from brace_lightning.module import BraceModule, Scored, shift_values, whiten
+from brace_lightning.module import BraceModule, shift_values
 from brace_lightning.objectives import PPOEWMA
-from brace_lightning.ranks import Ranks
-from brace_lightning.scorer import Scorer
+from brace_lightning.ranks import Ranks, whiten
+from brace_lightning.scorer import Scored, Scorer
 from brace_lightning.step_metrics import UpdateStats
 from tests.test_kl_reference import fit_steps, fixed_batch, sgd_module, weights
 

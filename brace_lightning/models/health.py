@@ -50,6 +50,15 @@ def require_finite_weights(weights: Mapping[str, torch.Tensor], *, rollout_step:
         raise FloatingPointError(nonfinite_message(bad, total, rollout_step))
 
 
+def require_finite_loss(what: str, loss: torch.Tensor, *, rollout_step: int) -> None:
+    """Raise FloatingPointError when a scalar ``loss`` (named ``what``) is not finite."""
+    if not bool(torch.isfinite(loss)):
+        raise FloatingPointError(
+            f"rollout step {rollout_step}: the {what} is {float(loss)}; expected a finite "
+            "value (check learning rates, log-prob clamping and the rewards)."
+        )
+
+
 def require_finite_logprobs(
     logprobs: torch.Tensor, mask: torch.Tensor, *, rollout_step: int
 ) -> None:
