@@ -44,7 +44,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities import rank_zero_only
 
-from benchmarks._timing import positive_int
+from benchmarks._common import positive_int, table_header, table_row
 from brace_lightning.data import AsyncRolloutDataModule, RolloutDataModule
 from brace_lightning.module import BraceModule
 from brace_lightning.rollout import EmbeddedEngine
@@ -204,38 +204,33 @@ def main() -> None:
         f"(hidden {args.hidden}, {args.layers} layer(s)), medians of {args.repeats} runs "
         "(speed-ups: median and range of the per-repeat ratios)\n"
     )
-    print(
-        "| configuration | steady s/step | samples/s | speed-up vs sync 1 thread "
-        "| vs sync 2 threads | fit s | generate s | train s | staleness | trainer idle "
-        "| producer idle |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    header = ["configuration", "steady s/step", "samples/s", "speed-up vs sync 1 thread"]
+    header += ["vs sync 2 threads", "fit s", "generate s", "train s", "staleness"]
+    print(table_header([*header, "trainer idle", "producer idle"]))
     for name in names:
         if "GAE" in name:
             continue
         steady = median(name, "steady")
-        print(
-            f"| {name} | {steady:.3f} | {samples / steady:.0f} | "
-            f"{speedup(name, 'sync, 1 thread')} | {speedup(name, 'sync, 2 threads')} | "
-            f"{median(name, 'fit'):.1f} | {median(name, 'generate'):.3f} | "
-            f"{steady - median(name, 'trainer_wait'):.3f} | {median(name, 'staleness'):.2f} | "
-            f"{median(name, 'trainer_idle'):.2f} | {median(name, 'producer_idle'):.2f} |"
-        )
+        cells = [name, f"{steady:.3f}", f"{samples / steady:.0f}"]
+        cells += [speedup(name, "sync, 1 thread"), speedup(name, "sync, 2 threads")]
+        cells += [f"{median(name, 'fit'):.1f}", f"{median(name, 'generate'):.3f}"]
+        cells += [
+            f"{steady - median(name, 'trainer_wait'):.3f}",
+            f"{median(name, 'staleness'):.2f}",
+        ]
+        cells += [f"{median(name, 'trainer_idle'):.2f}", f"{median(name, 'producer_idle'):.2f}"]
+        print(table_row(cells))
     pairs = [("async S=2", "async S=2, GAE"), ("sync, 1 thread", "sync, 1 thread, GAE")]
     pairs = [(b, g) for b, g in pairs if b in results and g in results]
     if pairs:
-        print(
-            "\n| rollouts | BRACE s/step | GAE s/step | step difference | BRACE target ms "
-            "| GAE target ms | target overhead (% of step) |"
-        )
-        print("|---|---|---|---|---|---|---|")
+        header = ["rollouts", "BRACE s/step", "GAE s/step", "step difference", "BRACE target ms"]
+        print("\n" + table_header([*header, "GAE target ms", "target overhead (% of step)"]))
         for brace_name, gae_name in pairs:
             b, g = median(brace_name, "steady"), median(gae_name, "steady")
             b_ms, g_ms = median(brace_name, "value_target_ms"), median(gae_name, "value_target_ms")
-            print(
-                f"| {brace_name} | {b:.3f} | {g:.3f} | {100 * (b / g - 1):+.1f}% | {b_ms:.2f} | "
-                f"{g_ms:.2f} | {100 * (b_ms - g_ms) / (1e3 * b):.2f}% |"
-            )
+            cells = [brace_name, f"{b:.3f}", f"{g:.3f}", f"{100 * (b / g - 1):+.1f}%"]
+            cells += [f"{b_ms:.2f}", f"{g_ms:.2f}", f"{100 * (b_ms - g_ms) / (1e3 * b):.2f}%"]
+            print(table_row(cells))
 
 
 if __name__ == "__main__":

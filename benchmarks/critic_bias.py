@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import torch
 
+from benchmarks._common import markdown_table
 from brace_lightning.metrics import (
     HorizonBeta,
     ImportanceWeightStats,
@@ -58,12 +59,6 @@ def estimators() -> list[tuple[str, ValueTarget]]:
     for k in (0, 10, 20, 100):
         out.append((f"BRACE k={k}, no MC tail", BRACE(k=k, mc_tail=False)))
     return out
-
-
-def markdown(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def gap(values: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor) -> float:
@@ -197,19 +192,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     print("## Setting\n")
     header = ["T", "K", "S", "B", "KL(µ‖π)/token", "V^π(s₀)", "V^µ(s₀)", "ESS", "w>ρ̄", "w>c̄"]
-    print(markdown(header, [row for r in results.values() for row in r["setting"]]) + "\n")
+    print(markdown_table(header, [row for r in results.values() for row in r["setting"]]) + "\n")
     print("## Converged critic: ĝ to V^π / ĝ to V^µ (iterations; * = not converged)\n")
     for horizon, r in results.items():
         print(f"### T = {horizon}\n")
-        print(markdown(["target"] + [f"S={s}" for s in args.staleness], r["gaps"]) + "\n")
+        print(markdown_table(["target"] + [f"S={s}" for s in args.staleness], r["gaps"]) + "\n")
     print(f"## β by remaining horizon h (S = {max(args.staleness)}, each target's own critic)\n")
     for horizon, r in results.items():
         print(f"### T = {horizon}\n")
-        print(markdown(r["beta_header"], r["beta"]) + "\n")
+        print(markdown_table(r["beta_header"], r["beta"]) + "\n")
     print("## b = V^π − V^µ on µ's states, by position t\n")
     for horizon, r in results.items():
         print(f"### T = {horizon}\n")
-        print(markdown(r["separation_header"], r["separation"]) + "\n")
+        print(markdown_table(r["separation_header"], r["separation"]) + "\n")
     print(f"Wall time: {elapsed:.0f} s ({torch.get_num_threads()} threads).")
 
 

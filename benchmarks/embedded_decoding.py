@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache
 
-from benchmarks._timing import model_size, positive_int
+from benchmarks._common import model_size, positive_int, table_header, table_row
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.policy import position_ids_from_attention_mask
 from brace_lightning.models.sources import load_actor
@@ -124,11 +124,10 @@ def measure(hidden: int, layers: int, tokens: int, repeats: int) -> str:
         return statistics.median(b / a for a, b in zip(times["engine"], times[name], strict=True))
 
     engine_s = statistics.median(times["engine"])
-    return (
-        f"| {hidden} x {layers} | {engine_s:.3f} | {len(expanded) * tokens / engine_s:.0f} "
-        f"| {statistics.median(times['former']):.3f} | {ratio('former'):.2f}x "
-        f"| {statistics.median(times['hf']):.3f} | {ratio('hf'):.2f}x |"
-    )
+    cells = [f"{hidden} x {layers}", f"{engine_s:.3f}", f"{len(expanded) * tokens / engine_s:.0f}"]
+    cells += [f"{statistics.median(times['former']):.3f}", f"{ratio('former'):.2f}x"]
+    cells += [f"{statistics.median(times['hf']):.3f}", f"{ratio('hf'):.2f}x"]
+    return table_row(cells)
 
 
 def main() -> None:
@@ -142,11 +141,8 @@ def main() -> None:
         f"\n64 samples x {args.tokens} tokens per batch, one torch thread, medians of "
         f"{args.repeats} (speed-ups: median of the per-repeat ratios)\n"
     )
-    print(
-        "| hidden x layers | engine s | engine tokens/s | former loop s | engine speed-up "
-        "| HF generate s | vs HF generate |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    header = ["hidden x layers", "engine s", "engine tokens/s", "former loop s", "engine speed-up"]
+    print(table_header([*header, "HF generate s", "vs HF generate"]))
     for hidden, layers in args.sizes:
         print(measure(hidden, layers, args.tokens, args.repeats), flush=True)
 

@@ -71,9 +71,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import init_device_mesh
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM
 
-from benchmarks._timing import positive_int, proc_kib
+from benchmarks._common import positive_int, proc_kib, qwen2_config, table_header, table_row
 from brace_lightning.models import ValueModel
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_weights
@@ -98,25 +98,12 @@ VLLM_PUBLISH = ("collected", "streamed")
 GIB = 2**30
 
 
-def qwen_05b_config(layers: int) -> Qwen2Config:
-    """Qwen2.5-0.5B's shape with ``layers`` transformer blocks."""
-    return Qwen2Config(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-
-
 def write_checkpoint(folder: Path, layers: int) -> None:
-    """Random weights of :func:`qwen_05b_config` saved to ``folder`` (skipped if already there)."""
+    """Random weights of Qwen2.5-0.5B's shape with ``layers`` blocks saved to ``folder`` (skipped
+    if already there)."""
     if (folder / "config.json").is_file():
         return
-    model = AutoModelForCausalLM.from_config(qwen_05b_config(layers))
+    model = AutoModelForCausalLM.from_config(qwen2_config(layers=layers))
     model.save_pretrained(folder)
 
 
@@ -305,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.folder is None:
             args.folder = Path(scratch) / "qwen05b"
         write_checkpoint(args.folder, args.layers)
-        config = qwen_05b_config(args.layers)
+        config = qwen2_config(layers=args.layers)
         actor_bytes = parameter_counts(config)["actor"] * 4
         accounted = fsdp_bytes_per_rank(config, args.ranks)
         results = {}
@@ -376,15 +363,25 @@ def _print_construction(
         f"+ one gathered unit per model) {accounted / GIB:.2f} GiB"
     )
     until = "end of loading" if args.load_only else "step 1"
-    print(
-        f"| path | {memory}, load (GiB) | x actor fp32 | through step 1 (GiB) | time to {until} "
-        "(s) |"
-    )
-    print("|---|---|---|---|---|")
+    header = [
+        "path",
+        f"{memory}, load (GiB)",
+        "x actor fp32",
+        "through step 1 (GiB)",
+        f"time to {until} (s)",
+    ]
+    print(table_header(header))
     for path, (loaded, stepped, elapsed) in results.items():
         print(
-            f"| {path} | {loaded / GIB:.2f} | {loaded / actor_bytes:.2f} | {stepped / GIB:.2f} "
-            f"| {elapsed:.1f} |"
+            table_row(
+                [
+                    path,
+                    f"{loaded / GIB:.2f}",
+                    f"{loaded / actor_bytes:.2f}",
+                    f"{stepped / GIB:.2f}",
+                    f"{elapsed:.1f}",
+                ]
+            )
         )
 
 
@@ -396,15 +393,13 @@ def _print_publish(
         f"{actor_bytes / MIB:.0f} MiB, {args.ranks} gloo ranks on CPU; peak RSS during one "
         "publish minus RSS before it, per rank"
     )
-    print("| path | bucket MiB | engines | rank | peak extra (MiB) | x actor fp32 | time (s) |")
-    print("|---|---|---|---|---|---|---|")
+    header = ["path", "bucket MiB", "engines", "rank", "peak extra (MiB)", "x actor fp32"]
+    print(table_header([*header, "time (s)"]))
     for (mode, mb), rows in published.items():
         engines = "rank 0" if mode == "rank0" else "every rank"
         for rank, (peak, elapsed) in enumerate(rows):
-            print(
-                f"| {mode} | {mb or '-'} | {engines} | {rank} | {peak / MIB:.0f} "
-                f"| {peak / actor_bytes:.2f} | {elapsed:.2f} |"
-            )
+            cells = [mode, mb or "-", engines, rank, f"{peak / MIB:.0f}"]
+            print(table_row([*cells, f"{peak / actor_bytes:.2f}", f"{elapsed:.2f}"]))
 
 
 def _print_vllm_publish(
@@ -415,10 +410,10 @@ def _print_vllm_publish(
         f"{actor_bytes / MIB:.0f} MiB, one in-process vLLM engine (CPU, float32); peak RSS during "
         "one publish minus RSS before it"
     )
-    print("| path | bucket MiB | peak extra (MiB) | x actor fp32 | time (s) |")
-    print("|---|---|---|---|---|")
+    print(table_header(["path", "bucket MiB", "peak extra (MiB)", "x actor fp32", "time (s)"]))
     for (mode, mb), (peak, elapsed) in published.items():
-        print(f"| {mode} | {mb} | {peak / MIB:.0f} | {peak / actor_bytes:.2f} | {elapsed:.2f} |")
+        cells = [mode, mb, f"{peak / MIB:.0f}", f"{peak / actor_bytes:.2f}", f"{elapsed:.2f}"]
+        print(table_row(cells))
 
 
 if __name__ == "__main__":

@@ -22,14 +22,21 @@ import argparse
 import math
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks._common import (
+    CONFIGS,
+    QUICKSTART,
+    REPO,
+    cli_command,
+    fit_args,
+    markdown_table,
+    qwen2_config,
+)
 
 
 def _model(small: bool, device: str, seed: int) -> torch.nn.Module:
@@ -37,19 +44,23 @@ def _model(small: bool, device: str, seed: int) -> torch.nn.Module:
     from brace_lightning.models.tokenizer import build_char_tokenizer
 
     tokenizer = build_char_tokenizer()
-    shape = (
-        dict(hidden_size=64, num_layers=2, num_heads=2, head_dim=32, num_kv_heads=1)
-        if small
-        else dict(hidden_size=896, num_layers=24, num_heads=14, head_dim=64, num_kv_heads=2)
-    )
-    config = tiny_qwen2_config(
-        len(tokenizer),
-        **shape,
-        intermediate_size=4 * shape["hidden_size"] if small else 4864,
-        max_position_embeddings=1024,
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
+    if small:
+        config = tiny_qwen2_config(
+            len(tokenizer),
+            hidden_size=64,
+            num_layers=2,
+            num_heads=2,
+            head_dim=32,
+            num_kv_heads=1,
+            intermediate_size=256,
+            max_position_embeddings=1024,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
+    else:
+        config = qwen2_config(vocab_size=len(tokenizer), max_positions=1024)
+        config.pad_token_id = tokenizer.pad_token_id
+        config.bos_token_id = config.eos_token_id = tokenizer.eos_token_id
     return load_causal_lm(config, seed=seed).to(device).eval()
 
 
@@ -104,32 +115,29 @@ def vllm_rows(small: bool, device: str) -> list[tuple[str, str]]:
 
 def fsdp_rows(small: bool, accelerator: str, steps: int) -> list[tuple[str, str]]:
     with tempfile.TemporaryDirectory() as folder:
-        command = [
-            sys.executable,
-            "-m",
-            "brace_lightning.cli",
-            "fit",
-            "--config",
-            str(ROOT / "configs" / "quickstart.yaml"),
-            "--config",
-            str(ROOT / "configs" / "fsdp" / "cpu_2proc.yaml"),
-            f"--trainer.accelerator={accelerator}",
-            "--trainer.devices=1",
-            "--trainer.strategy.init_args.data_parallel_size=1",
-            "--trainer.callbacks=[]",
-            f"--trainer.limit_train_batches={steps}",
-            f"--trainer.default_root_dir={folder}",
-            f"--trainer.logger.init_args.save_dir={folder}",
-            "--trainer.enable_progress_bar=false",
-            f"--model.tiny_hidden_size={64 if small else 896}",
-            f"--model.tiny_num_layers={1 if small else 24}",
-            "--model.critic_warmup_steps=0",
-            "--data.prompts_per_step=4",
-            "--data.samples_per_prompt=4",
-            f"--data.engine.init_args.max_new_tokens={12 if small else 64}",
-        ]
+        command = cli_command(
+            fit_args(
+                QUICKSTART,
+                CONFIGS / "fsdp" / "cpu_2proc.yaml",
+                steps=steps,
+                callbacks=False,
+                log_dir=Path(folder),
+                overrides=[
+                    f"--trainer.accelerator={accelerator}",
+                    "--trainer.devices=1",
+                    "--trainer.strategy.init_args.data_parallel_size=1",
+                    f"--trainer.default_root_dir={folder}",
+                    f"--model.tiny_hidden_size={64 if small else 896}",
+                    f"--model.tiny_num_layers={1 if small else 24}",
+                    "--model.critic_warmup_steps=0",
+                    "--data.prompts_per_step=4",
+                    "--data.samples_per_prompt=4",
+                    f"--data.engine.init_args.max_new_tokens={12 if small else 64}",
+                ],
+            )
+        )
         start = time.perf_counter()
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+        done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
         seconds = time.perf_counter() - start
         if done.returncode != 0:
             tail = " | ".join(done.stderr.strip().splitlines()[-3:])
@@ -162,9 +170,7 @@ def main() -> None:
     rows = [("device", torch.cuda.get_device_name() if cuda else "CPU")]
     rows += vllm_rows(args.small, device)
     rows += fsdp_rows(args.small, "gpu" if cuda else "cpu", args.steps)
-    print("| check | result |\n|---|---|")
-    for name, value in rows:
-        print(f"| {name} | {value} |")
+    print(markdown_table(["check", "result"], rows))
 
 
 if __name__ == "__main__":

@@ -12,43 +12,43 @@ steps. The first window is the warm-started policy before (and during) critic wa
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import subprocess
-import sys
 import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks._common import (
+    QUICKSTART,
+    REPO,
+    cli_command,
+    fit_args,
+    subprocess_env,
+    table_header,
+    table_row,
+    target_config,
+)
 from brace_lightning.logs import read_scalars
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGETS = ["gae", "vtrace", "brace"]
 
 
 def one_run(target: str, seed: int, steps: int, root: Path, extra: list[str]) -> list[float]:
+    """The ``rollout/reward`` series of one run of the quickstart with ``target`` and ``seed``."""
     name = f"{target}_seed{seed}"
-    command = [
-        sys.executable,
-        "-m",
-        "brace_lightning.cli",
-        "fit",
-        "--config",
-        str(ROOT / "configs" / "quickstart.yaml"),
-        "--config",
-        str(ROOT / "configs" / "targets" / f"{target}.yaml"),
-        f"--seed_everything={seed}",
-        f"--model.seed={seed}",
-        f"--data.init_args.seed={seed}",
-        f"--trainer.limit_train_batches={steps}",
-        f"--trainer.logger.init_args.save_dir={root}",
-        f"--trainer.logger.init_args.name={name}",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_checkpointing=false",
-        *extra,
-    ]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(command, check=True, env=env, capture_output=True, cwd=ROOT)
+    args = fit_args(
+        QUICKSTART,
+        target_config(target),
+        seed=seed,
+        data_seed=seed,
+        steps=steps,
+        log_dir=root,
+        run_name=name,
+        overrides=extra,
+    )
+    subprocess.run(
+        cli_command(args), check=True, env=subprocess_env(), capture_output=True, cwd=REPO
+    )
     (log_dir,) = sorted((root / name).rglob("version_*"))[-1:]  # under the run name
     return [value for _, value in read_scalars(log_dir)["rollout/reward"]]
 
@@ -75,19 +75,15 @@ def main() -> None:
         f"quickstart recipe, reward (fraction correct) averaged over rollout steps, mean ± std over "
         f"seeds {args.seeds}\n"
     )
-    print(
-        "| target | "
-        + " | ".join(f"steps {w + 1}–{min(w + args.window, args.steps)}" for w in windows)
-        + " |"
-    )
-    print("|---|" + "---|" * len(windows))
+    spans = [f"steps {w + 1}–{min(w + args.window, args.steps)}" for w in windows]
+    print(table_header(["target", *spans]))
     for target in TARGETS:
         cells = []
         for w in windows:
             means = [statistics.fmean(curves[target, s][w : w + args.window]) for s in args.seeds]
             spread = statistics.stdev(means) if len(means) > 1 else 0.0
             cells.append(f"{statistics.fmean(means):.3f} ± {spread:.3f}")
-        print(f"| {target} | " + " | ".join(cells) + " |")
+        print(table_row([target, *cells]))
 
 
 if __name__ == "__main__":

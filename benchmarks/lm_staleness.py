@@ -38,12 +38,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import math
-import os
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,23 +48,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from brace_lightning.sweep import interval
+from benchmarks._common import (
+    CONFIGS,
+    REPO,
+    cli_command,
+    fit_args,
+    markdown_table,
+    subprocess_env,
+    target_config,
+    warm_start_once,
+)
+from brace_lightning.sweep import interval, paired_difference, write_marker
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "configs" / "evidence" / "long_count.yaml"
+RECIPE = CONFIGS / "evidence" / "long_count.yaml"
 REFERENCE = "gae"
 
 #: Target name -> CLI arguments that select it (every other option comes from the recipe).
 TARGETS: dict[str, list[str]] = {
-    "gae": ["--config", str(ROOT / "configs" / "targets" / "gae.yaml")],
-    "vtrace": ["--config", str(ROOT / "configs" / "targets" / "vtrace.yaml")],
-    "brace": ["--config", str(ROOT / "configs" / "targets" / "brace.yaml")],
-    "brace_notail": ["--config", str(ROOT / "configs" / "targets" / "brace_notail.yaml")],
-    # Ablations of the advantage's ρ factor (V-trace has it, GAE and BRACE do not); not run unless
-    # named in --targets.
-    "brace_rho": ["--config", str(ROOT / "configs" / "targets" / "brace_rho.yaml")],
-    "vtrace_norho": ["--config", str(ROOT / "configs" / "targets" / "vtrace_norho.yaml")],
+    name: ["--config", str(target_config(name))]
+    for name in ("gae", "vtrace", "brace", "brace_notail")
 }
+# Ablations of the advantage's ρ factor (V-trace has it, GAE and BRACE do not); not run unless
+# named in --targets.
+TARGETS |= {name: ["--config", str(target_config(name))] for name in ("brace_rho", "vtrace_norho")}
 #: The issue's four targets: the default grid.
 DEFAULT_TARGETS = ["gae", "vtrace", "brace", "brace_notail"]
 
@@ -117,30 +120,25 @@ def command(
     """The ``brace-lightning fit`` command line of ``cell``: ``steps`` rollout steps as
     ``steps // every`` epochs of ``every`` steps (validation at each epoch end), from the shared
     warm-started actor (:func:`warm_start`), so the recipe's warm-start callback is left out."""
-    return [
-        *_fit(recipe),
-        *TARGETS[cell.target],
-        f"--model.actor={warm_actor(out)}",
-        "--trainer.callbacks=[]",
-        f"--seed_everything={cell.seed}",
-        f"--model.seed={cell.seed}",
-        f"--data.init_args.seed={cell.seed}",
-        f"--data.init_args.engine.init_args.seed={cell.seed}",
-        f"--data.init_args.lag={cell.lag}",
-        f"--data.init_args.max_staleness={cell.lag}",
-        f"--trainer.max_epochs={steps // every}",
-        f"--trainer.limit_train_batches={every}",
-        f"--trainer.logger.init_args.save_dir={cell.folder(out)}",
-        "--trainer.logger.init_args.name=tb",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_checkpointing=false",
-        *extra,
-    ]
-
-
-def _fit(recipe: Path) -> list[str]:
-    """``brace-lightning fit --config recipe`` with this interpreter (the cells and the warm start)."""
-    return [sys.executable, "-m", "brace_lightning.cli", "fit", "--config", str(recipe)]
+    args = fit_args(
+        recipe,
+        target_config(cell.target),  # the arguments of TARGETS[cell.target]
+        seed=cell.seed,
+        data_seed=cell.seed,
+        callbacks=False,
+        log_dir=cell.folder(out),
+        run_name="tb",
+        overrides=[
+            f"--model.actor={warm_actor(out)}",
+            f"--data.init_args.engine.init_args.seed={cell.seed}",
+            f"--data.init_args.lag={cell.lag}",
+            f"--data.init_args.max_staleness={cell.lag}",
+            f"--trainer.max_epochs={steps // every}",
+            f"--trainer.limit_train_batches={every}",
+            *extra,
+        ],
+    )
+    return cli_command(args)
 
 
 def warm_actor(out: Path) -> Path:
@@ -148,39 +146,22 @@ def warm_actor(out: Path) -> Path:
     return out / "warm_start" / "actor"
 
 
-def _env() -> dict[str, str]:
-    """The environment of every subprocess: one torch thread, this checkout importable."""
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-
-
 def warm_start(out: Path, recipe: Path, extra: Sequence[str]) -> None:
-    """Run the recipe's ``SupervisedWarmStart`` once and export the actor for every cell.
+    """Run the recipe's ``SupervisedWarmStart`` once and export the actor for every cell
+    (:func:`benchmarks._common.warm_start_once`).
 
-    Every cell would otherwise repeat the same warm start (it depends on the recipe only, not on
-    the seed, lag or target) at most of a cell's cost. The export comes from a one-step ``fit``
-    whose single step is a critic warm-up step (``critic_warmup_steps=1``), so the exported actor
-    is exactly the warm-started one. Skipped when the folder exists.
+    The export comes from a one-step ``fit`` whose single step is a critic warm-up step
+    (``critic_warmup_steps=1``), so the exported actor is exactly the warm-started one.
     """
-    if (warm_actor(out) / "config.json").exists():
-        return
-    folder = out / "warm_start"
-    folder.mkdir(parents=True, exist_ok=True)
-    args = [
-        *_fit(recipe),
+    overrides = [
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=1",
         "--model.critic_warmup_steps=1",
         "--data.init_args.val_batches=0",
         "--trainer.logger=false",
-        f"--trainer.default_root_dir={folder}",  # where the CLI saves its config.yaml
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_checkpointing=false",
-        "--trainer.callbacks+=brace_lightning.export.ExportOnFitEnd",
-        f"--trainer.callbacks.out={folder}",
         *extra,
     ]
-    with (folder / "stdout.txt").open("w") as stdout, (folder / "stderr.txt").open("w") as stderr:
-        subprocess.run(args, cwd=ROOT, env=_env(), stdout=stdout, stderr=stderr, check=True)
+    warm_start_once(out / "warm_start", fit_args(recipe, overrides=overrides))
 
 
 def run_cell(
@@ -202,12 +183,12 @@ def run_cell(
     start = time.monotonic()
     with (folder / "stdout.txt").open("w") as stdout, (folder / "stderr.txt").open("w") as stderr:
         result = subprocess.run(
-            args, cwd=ROOT, env=_env(), stdout=stdout, stderr=stderr, check=False
+            args, cwd=REPO, env=subprocess_env(), stdout=stdout, stderr=stderr, check=False
         )
     if result.returncode != 0:
         return "failed"
     seconds = time.monotonic() - start
-    marker.write_text(json.dumps({"cell": cell.__dict__, "seconds": seconds, "args": args}))
+    write_marker(marker, {"cell": cell.__dict__, "seconds": seconds, "args": args})
     return "done"
 
 
@@ -306,18 +287,11 @@ def summarize(
         row: dict[str, float | int | str] = {"n": len(by_seed), "mean": mean, "low": low}
         row["high"] = high
         reference = scores.get((lag, REFERENCE))
-        if target != REFERENCE and reference is not None:
-            seeds = sorted(set(by_seed) & set(reference))
-            diffs = [by_seed[s] - reference[s] for s in seeds]
-            if len(diffs) >= 2:
-                d, d_low, d_high = interval(diffs)
-                if d_low <= 0.0 <= d_high:
-                    verdict = "tie"
-                elif higher_is_better is None:
-                    verdict = "higher" if d > 0 else "lower"
-                else:
-                    verdict = "better" if (d > 0) == higher_is_better else "worse"
-                row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
+        if target != REFERENCE and reference is not None and len(set(by_seed) & set(reference)) > 1:
+            d, d_low, d_high, verdict = paired_difference(
+                by_seed, reference, higher_is_better=higher_is_better
+            )
+            row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
         rows[(lag, target)] = row
     return rows
 
@@ -337,12 +311,8 @@ def table(summaries: dict[str, dict[tuple[int, str], dict[str, float | int | str
     sections = []
     for name, _, _, _ in METRICS:
         rows = summaries[name]
-        lines = [
-            f"**{name}**",
-            "",
-            f"| S | target | seeds | mean [95% CI] | Δ vs {REFERENCE} [95% CI] | verdict |",
-            "|---|---|---|---|---|---|",
-        ]
+        header = ["S", "target", "seeds", "mean [95% CI]", f"Δ vs {REFERENCE} [95% CI]", "verdict"]
+        cells = []
         for lag, target in sorted(rows, key=lambda key: (key[0], order.index(key[1]))):
             row = rows[(lag, target)]
             mean = _interval_text(float(row["mean"]), float(row["low"]), float(row["high"]), 3)
@@ -352,8 +322,8 @@ def table(summaries: dict[str, dict[tuple[int, str], dict[str, float | int | str
                     float(row["diff"]), float(row["diff_low"]), float(row["diff_high"]), 3, "+"
                 )
                 verdict = str(row["verdict"])
-            lines.append(f"| {lag} | {target} | {row['n']} | {mean} | {diff} | {verdict} |")
-        sections.append("\n".join(lines))
+            cells.append([lag, target, row["n"], mean, diff, verdict])
+        sections.append(f"**{name}**\n\n" + markdown_table(header, cells))
     return "\n\n".join(sections)
 
 
@@ -370,7 +340,7 @@ def per_run_table(
     order = list(TARGETS)
     header = ["S", "target", "seed", "val/reward per pass", "batches at reward 0"]
     header += ["length, final window", *(name for name, _ in RUN_MAXIMA)]
-    lines = ["**per run**", "", "| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    rows = []
     for lag, target in sorted(curves, key=lambda key: (key[0], order.index(key[1]))):
         for seed, series in sorted(curves[(lag, target)].items()):
             validation = " → ".join(f"{v:.2f}" for _, v in sorted(series.get("val/reward", [])))
@@ -381,8 +351,8 @@ def per_run_table(
                 for _, tag in RUN_MAXIMA
             ]
             cells = [str(lag), target, str(seed), validation or "-", str(zero), f"{length:.0f}"]
-            lines.append("| " + " | ".join([*cells, *maxima]) + " |")
-    return "\n".join(lines)
+            rows.append([*cells, *maxima])
+    return "**per run**\n\n" + markdown_table(header, rows)
 
 
 def _smooth(values: list[float], width: int) -> list[float]:

@@ -37,7 +37,7 @@ embeddings; random weights from the config, nothing downloaded; ``--layers`` cut
 alike (``BraceModule(activation_checkpointing=True)``).
 
 Peak memory is measured in a child process whose allocator returns every tensor to the OS (see
-``benchmarks/_timing.py``) and whose address space is capped at ``--memory-gib``, as part 3's rungs
+``benchmarks/_common.py``) and whose address space is capped at ``--memory-gib``, as part 3's rungs
 (a case that does not fit ends the benchmark with one sentence, before any timed run); ratios
 compare runs in the same process. ``--device cuda`` runs the same
 on a GPU (peak from the CUDA allocator).
@@ -57,14 +57,16 @@ import time
 from collections.abc import Callable
 
 import torch
-from transformers import Qwen2Config
 
-from benchmarks._timing import (
+from benchmarks._common import (
     interleaved_median_seconds,
     peak_extra_mib,
     positive_int,
     proc_kib,
+    qwen2_config,
     run_mmap_subprocess,
+    table_header,
+    table_row,
 )
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.microbatch import MicroBatch, plan_micro_batches, widen
@@ -75,22 +77,6 @@ from brace_lightning.models.packing import (
 )
 from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.policy import DEFAULT_CHUNK_SIZE, load_causal_lm, token_logprobs
-
-
-def qwen25_05b_config(layers: int, max_positions: int, vocab: int = 151_936) -> Qwen2Config:
-    """The shape of Qwen2.5-0.5B with ``layers`` decoder layers (and ``vocab`` token ids)."""
-    return Qwen2Config(
-        vocab_size=vocab,
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=max_positions,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=True,
-    )
 
 
 def response_lengths(rows: int, low: int, high: int, seed: int) -> list[int]:
@@ -304,7 +290,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     longest = max([*args.lengths, args.batch_lengths[1]])
-    config = qwen25_05b_config(args.layers, longest + 1, args.vocab)
+    config = qwen2_config(layers=args.layers, vocab_size=args.vocab, max_positions=longest + 1)
     model = load_causal_lm(config, seed=0).to(args.device)
     model.train()
     critic = None
@@ -343,19 +329,19 @@ def main() -> None:
     )
     if args.lengths:
         print()
-        print("| T | path | median s | peak extra MiB | × full time | full / chunked peak |")
-        print("|---|---|---|---|---|---|")
+        header = ["T", "path", "median s", "peak extra MiB", "× full time", "full / chunked peak"]
+        print(table_header(header))
     for length in args.lengths:
         full = f"row/{length}/full"
         for path in args.paths:
             name = f"row/{length}/{path}"
             # The ratios need the full path measured beside it (``--paths`` may leave it out).
             ratios = (
-                f"{seconds[name] / seconds[full]:.2f} | {memory[full] / memory[name]:.2f}"
+                [f"{seconds[name] / seconds[full]:.2f}", f"{memory[full] / memory[name]:.2f}"]
                 if full in seconds
-                else "- | -"
+                else ["-", "-"]
             )
-            print(f"| {length} | {path} | {seconds[name]:.2f} | {memory[name]:.0f} | {ratios} |")
+            print(table_row([length, path, f"{seconds[name]:.2f}", f"{memory[name]:.0f}", *ratios]))
     if args.rows:
         print_batch_table(args, seconds, memory)
 
@@ -467,11 +453,8 @@ def print_largest_table(args: argparse.Namespace) -> None:
         "memory-measuring child, slower than timed runs)"
     )
     print()
-    print(
-        f"| path | largest T that ran | its peak extra MiB | {before} | its s "
-        "| first T that did not |"
-    )
-    print("|---|---|---|---|---|---|")
+    header = ["path", "largest T that ran", "its peak extra MiB", before, "its s"]
+    print(table_header([*header, "first T that did not"]))
     for path in args.paths:
         fitted, failed = ["-", "-", "-", "-"], "-"
         for length in ladder(args.ladder_start, args.max_length):
@@ -491,7 +474,7 @@ def print_largest_table(args: argparse.Namespace) -> None:
                 f"{run['baseline_mib']:.0f}",
                 f"{run['seconds'][name]:.1f}",
             ]
-        print(f"| {path} | {' | '.join(fitted)} | {failed} |")
+        print(table_row([path, *fitted, failed]))
 
 
 def print_batch_table(
@@ -509,11 +492,8 @@ def print_batch_table(
         "forward + backward"
     )
     print()
-    print(
-        "| micro-batches | forwards | tokens computed | median s | tokens/s | × padded "
-        "| peak extra MiB |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    header = ["micro-batches", "forwards", "tokens computed", "median s", "tokens/s", "× padded"]
+    print(table_header([*header, "peak extra MiB"]))
     labels = {
         "batch/padded": (
             f"{args.padded_rows} rows in arrival order, padded, "
@@ -531,11 +511,9 @@ def print_batch_table(
         plan = plans[kind]
         computed = sum(int(mask[m.rows].sum()) if packed else m.tokens for m in plan)
         peak = memory[name]
-        print(
-            f"| {label} | {len(plan)} | {computed} | {seconds[name]:.2f} | "
-            f"{sum(lengths) / seconds[name]:.0f} | {base / seconds[name]:.2f} | "
-            f"{'n/a' if peak is None else f'{peak:.0f}'} |"
-        )
+        cells = [label, len(plan), computed, f"{seconds[name]:.2f}"]
+        cells += [f"{sum(lengths) / seconds[name]:.0f}", f"{base / seconds[name]:.2f}"]
+        print(table_row([*cells, "n/a" if peak is None else f"{peak:.0f}"]))
 
 
 if __name__ == "__main__":

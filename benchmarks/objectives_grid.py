@@ -35,12 +35,19 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
+from benchmarks._common import (
+    CONFIGS,
+    QUICKSTART,
+    fit_args,
+    markdown_table,
+    target_config,
+    warm_start_once,
+)
 from brace_lightning.cli import run
+from brace_lightning.export import load_exported_critic
 from brace_lightning.logs import read_scalars
+from brace_lightning.models.policy import load_causal_lm
 
-ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ROOT / "configs"
-QUICKSTART = CONFIGS / "quickstart.yaml"
 OBJECTIVES = {
     "ppo": "PPO",
     "decoupled": "decoupled",
@@ -57,61 +64,41 @@ Series = dict[str, list[tuple[int, float]]]
 
 
 class LoadWarmStart(pl.Callback):
-    """Load the actor and critic weights saved by :func:`warm_start` when fit starts.
+    """Load the actor and critic weights of :func:`warm_start` when fit starts.
 
     Args:
-        path: a ``torch.save`` file holding ``{"actor": state_dict, "critic": state_dict}``.
+        folder: the exported folders (``folder/actor``, ``folder/critic``).
     """
 
-    def __init__(self, path: str) -> None:
-        self.path = path
+    def __init__(self, folder: str) -> None:
+        self.folder = Path(folder)
 
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        state = torch.load(self.path, map_location=pl_module.device, weights_only=True)
-        pl_module.actor.load_state_dict(state["actor"])
-        pl_module.critic.load_state_dict(state["critic"])
-
-
-def quiet() -> list[str]:
-    """CLI args for no progress bar, model summary or checkpoint files (~20 MB a run)."""
-    return [
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        "--trainer.enable_checkpointing=false",
-    ]
+        actor = load_causal_lm(str(self.folder / "actor")).state_dict()
+        critic = load_exported_critic(self.folder / "critic").state_dict()
+        pl_module.actor.load_state_dict(actor)
+        pl_module.critic.load_state_dict(critic)
 
 
 def warm_start(seed: int, out: Path, steps: int | None) -> Path:
-    """Run the quickstart's warm start (no RL step) with ``seed``; save actor and critic weights.
+    """Run the quickstart's warm start (no RL step) with ``seed`` once; the folder of the
+    warm-started actor and critic (:func:`benchmarks._common.warm_start_once`).
 
     Args:
         seed: seeds the tiny model's initialisation, the warm start's pairs and batch order.
-        out: folder for the weights file.
+        out: folder under which the weights are written.
         steps: warm-start optimizer steps; None keeps the quickstart's.
     """
-    args = [
-        "fit",
-        "--config",
-        str(QUICKSTART),
-        f"--seed_everything={seed}",
-        f"--model.seed={seed}",
+    overrides = [
         f"--trainer.callbacks.init_args.seed={seed}",
         "--trainer.limit_train_batches=0",
         "--trainer.logger=false",
-        f"--trainer.default_root_dir={out}",
-        *quiet(),
     ]
     if steps is not None:
-        args.append(f"--trainer.callbacks.init_args.steps={steps}")
-    cli = run(args)
-    [callback] = [c for c in cli.trainer.callbacks if type(c).__name__ == "SupervisedWarmStart"]
-    if not callback.done:
-        raise RuntimeError("the quickstart's SupervisedWarmStart did not run.")
-    path = out / f"warm_start_seed{seed}.pt"
-    torch.save(
-        {"actor": cli.model.actor.state_dict(), "critic": cli.model.critic.state_dict()}, path
+        overrides.append(f"--trainer.callbacks.init_args.steps={steps}")
+    return warm_start_once(
+        out / f"warm_start_seed{seed}", fit_args(QUICKSTART, seed=seed, overrides=overrides)
     )
-    return path
 
 
 def train(
@@ -119,28 +106,22 @@ def train(
 ) -> Series:
     """One run of the grid from the warm-started weights; its TensorBoard scalars."""
     log_dir = out / f"{objective}-{target}-seed{seed}"
-    cli = run(
-        [
-            "fit",
-            "--config",
-            str(QUICKSTART),
-            "--config",
-            str(CONFIGS / "objectives" / f"{objective}.yaml"),
-            "--config",
-            str(CONFIGS / "targets" / f"{target}.yaml"),
-            "--trainer.callbacks=[]",
-            f"--trainer.limit_train_batches={args.steps}",
+    trainer_args = fit_args(
+        QUICKSTART,
+        CONFIGS / "objectives" / f"{objective}.yaml",
+        target_config(target),
+        seed=seed,
+        data_seed=seed,
+        steps=args.steps,
+        callbacks=False,
+        log_dir=log_dir,
+        overrides=[
             f"--trainer.default_root_dir={log_dir}",
-            f"--trainer.logger.init_args.save_dir={log_dir}",
-            f"--seed_everything={seed}",
-            f"--model.seed={seed}",
-            f"--data.seed={seed}",
             f"--data.lag={args.lag}",
             f"--data.max_staleness={args.lag}",
-            *quiet(),
         ],
-        trainer_defaults={"callbacks": [LoadWarmStart(str(weights))]},
     )
+    cli = run(trainer_args, trainer_defaults={"callbacks": [LoadWarmStart(str(weights))]})
     return read_scalars(cli.trainer.logger.log_dir)
 
 
@@ -170,16 +151,12 @@ def cell(values: list[float], digits: int = 3) -> str:
 
 def table(title: str, results: dict[tuple[str, str], list[float]], args: argparse.Namespace) -> str:
     """A Markdown table: one row per objective, one column per value target."""
-    lines = [
-        f"**{title}**",
-        "",
-        "| objective | " + " | ".join(TARGETS[t] for t in args.targets) + " |",
-        "|---|" + "---|" * len(args.targets),
+    header = ["objective", *(TARGETS[t] for t in args.targets)]
+    rows = [
+        [OBJECTIVES[objective], *(cell(results[objective, target]) for target in args.targets)]
+        for objective in args.objectives
     ]
-    for objective in args.objectives:
-        cells = [cell(results[objective, target]) for target in args.targets]
-        lines.append(f"| {OBJECTIVES[objective]} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
+    return f"**{title}**\n\n" + markdown_table(header, rows)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

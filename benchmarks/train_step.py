@@ -32,10 +32,10 @@ from unittest import mock
 import lightning.pytorch as pl
 import torch
 
+from benchmarks._common import QUICKSTART, fit_args, markdown_table, target_config
 from brace_lightning.cli import run
 from brace_lightning.logs import read_scalars
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 TARGETS = ["gae", "vtrace", "brace"]
 
 
@@ -58,20 +58,15 @@ def one_run(
 ) -> tuple[list[float], dict[str, list[float]]]:
     """(step seconds, logged ``time/*`` ms) of every step after the first of one run."""
     timer = StepTimer()
-    trainer_args = [
-        "fit",
-        "--config",
-        str(CONFIGS / "quickstart.yaml"),
-        "--config",
-        str(CONFIGS / "targets" / f"{target}.yaml"),
-        "--trainer.callbacks=[]",
-        f"--trainer.limit_train_batches={steps}",
-        f"--trainer.logger.init_args.save_dir={root}",
-        f"--trainer.logger.init_args.name={name or target}",
-        "--trainer.enable_progress_bar=false",
-        "--model.critic_warmup_steps=0",
-        *extra,
-    ]
+    trainer_args = fit_args(
+        QUICKSTART,
+        target_config(target),
+        steps=steps,
+        callbacks=False,
+        log_dir=root,
+        run_name=name or target,
+        overrides=["--model.critic_warmup_steps=0", *extra],
+    )
     cli = run(trainer_args, trainer_defaults={"callbacks": [timer]})
     scalars = read_scalars(cli.trainer.logger.log_dir)
     times = {
@@ -136,8 +131,7 @@ def packing_table(steps: int, repeats: int, root: Path) -> None:
 def print_table(title: str, header: list[str], rows: list[list[str]]) -> None:
     """``title``, a blank line, then a markdown table."""
     print(f"{title}\n")
-    for cells in (header, ["---"] * len(header), *rows):
-        print(f"| {' | '.join(cells)} |")
+    print(markdown_table(header, rows))
 
 
 def main() -> None:

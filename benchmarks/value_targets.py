@@ -18,7 +18,13 @@ import warnings
 
 import torch
 
-from benchmarks._timing import in_mmap_subprocess, median_seconds, peak_extra_mib
+from benchmarks._common import (
+    in_mmap_subprocess,
+    median_seconds,
+    peak_extra_mib,
+    table_header,
+    table_row,
+)
 from brace_lightning.targets.functional import brace, gae, vtrace
 
 SHAPES = [(64, 1024), (16, 8192), (4, 32768)]
@@ -175,8 +181,7 @@ def main() -> None:
         f"median of {args.repeats} runs (loops: {args.loop_repeats}), float32, k=100\n"
     )
     header = ["B x T", "method", "median ms", "× our gae", "× our brace", "peak extra MiB"]
-    print("| " + " | ".join(header) + " |")
-    print("|" + "---|" * len(header))
+    print(table_header(header))
     for B, T in shapes:
         x = make_inputs(B, T, args.device)
         candidates = make_candidates(x, args.repeats, args.loop_repeats)
@@ -190,10 +195,12 @@ def main() -> None:
         ours = {name: s for name, s, _ in results}
         for name, seconds, peak in results:
             mem = "n/a" if peak is None else f"{peak:.1f}"
-            print(
-                f"| {B} x {T} | {name} | {seconds * 1e3:.2f} | {seconds / ours['gae (ours)']:.2f} | "
-                f"{seconds / ours['brace k=100 (ours)']:.2f} | {mem} |"
-            )
+            cells = [f"{B} x {T}", name, f"{seconds * 1e3:.2f}"]
+            cells += [
+                f"{seconds / ours['gae (ours)']:.2f}",
+                f"{seconds / ours['brace k=100 (ours)']:.2f}",
+            ]
+            print(table_row([*cells, mem]))
     # Correctness of the loop baseline, so the comparison is like for like.
     x = make_inputs(8, 512, args.device)
     ref = brace(x["rewards"], x["values"], x["target"], x["behavior"], x["mask"], k=100).returns

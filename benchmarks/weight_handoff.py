@@ -19,7 +19,7 @@ import argparse
 
 import torch
 
-from benchmarks._timing import median_seconds, model_size, positive_int
+from benchmarks._common import median_seconds, model_size, positive_int, table_header, table_row
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.sources import load_actor
 from brace_lightning.rollout import EmbeddedEngine
@@ -51,10 +51,8 @@ def measure(hidden: int, layers: int, repeats: int) -> str:
     fresh = median_seconds(lambda: fresh_shared_copy(weights), repeats=repeats)
     slot = median_seconds(fill, repeats=repeats)
     install = median_seconds(lambda: engine.update_weights(slots.tensors[0], 1), repeats=repeats)
-    return (
-        f"| {hidden} x {layers} | {params / 1e6:.2f} M | {mib:.1f} | {1e3 * fresh:.1f} | "
-        f"{1e3 * slot:.2f} | {fresh / slot:.1f}x | {1e3 * install:.2f} |"
-    )
+    cells = [f"{hidden} x {layers}", f"{params / 1e6:.2f} M", f"{mib:.1f}", f"{1e3 * fresh:.1f}"]
+    return table_row([*cells, f"{1e3 * slot:.2f}", f"{fresh / slot:.1f}x", f"{1e3 * install:.2f}"])
 
 
 def main() -> None:
@@ -66,11 +64,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     print(f"\nmedians of {args.repeats} versions, 1 torch thread\n")
-    print(
-        "| model (hidden x layers) | parameters | MiB | fresh copy ms | slot fill ms | speed-up "
-        "| install ms |"
-    )
-    print("|---|---|---|---|---|---|---|")
+    header = ["model (hidden x layers)", "parameters", "MiB", "fresh copy ms", "slot fill ms"]
+    print(table_header([*header, "speed-up", "install ms"]))
     for hidden, layers in args.sizes:
         print(measure(hidden, layers, args.repeats))
 

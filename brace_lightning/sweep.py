@@ -59,14 +59,19 @@ __all__ = [
     "collect",
     "interval",
     "main",
+    "markdown_table",
     "metrics",
+    "paired_difference",
     "plot_beta",
     "plot_curves",
     "run_cell",
     "run_grid",
     "score",
     "summarize",
+    "table_header",
+    "table_row",
     "window",
+    "write_marker",
 ]
 
 Cell = dict[str, Any]
@@ -86,6 +91,55 @@ def interval(samples: Sequence[float]) -> tuple[float, float, float]:
     std = math.sqrt(sum((x - mean) ** 2 for x in samples) / (n - 1))
     half = (_T975[n - 2] if n - 1 <= len(_T975) else 1.96) * std / math.sqrt(n)
     return mean, mean - half, mean + half
+
+
+def paired_difference(
+    by_seed: dict[int, float], reference: dict[int, float], *, higher_is_better: bool | None
+) -> tuple[float, float, float, str]:
+    """Mean and 95% interval of ``by_seed[s] - reference[s]`` over the seeds both hold, and its
+    verdict: ``tie`` when the interval covers 0, else ``better``/``worse`` in the direction
+    ``higher_is_better`` gives, or ``higher``/``lower`` when it is None (a metric with no better
+    side). Pairing seed by seed removes what the seed shares across targets (its prompts, its
+    sampling noise) from the comparison.
+
+    Raises:
+        ValueError: when fewer than 2 seeds are shared (no interval).
+    """
+    seeds = sorted(set(by_seed) & set(reference))
+    d, low, high = interval([by_seed[s] - reference[s] for s in seeds])
+    if low <= 0.0 <= high:
+        verdict = "tie"
+    elif higher_is_better is None:
+        verdict = "higher" if d > 0 else "lower"
+    else:
+        verdict = "better" if (d > 0) == higher_is_better else "worse"
+    return d, low, high, verdict
+
+
+def write_marker(path: Path, payload: dict[str, Any]) -> None:
+    """Write a cell's resume marker (JSON) atomically: a cell killed while writing leaves no
+    marker, so a rerun runs it again; a cell with a marker is skipped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_suffix(".tmp")
+    partial.write_text(json.dumps(payload))
+    partial.rename(path)
+
+
+def table_header(header: Sequence[str]) -> str:
+    """A markdown table's first two lines: ``| a | b |`` and ``|---|---|``."""
+    return table_row(header) + "\n|" + "---|" * len(header)
+
+
+def table_row(cells: Sequence[object]) -> str:
+    """One markdown table row: ``| a | b |`` (each cell as ``str`` gives it)."""
+    return "| " + " | ".join(str(cell) for cell in cells) + " |"
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A markdown table (no trailing newline): the one table writer of the sweeps and of every
+    benchmark script (``benchmarks/_common.py`` re-exports it); scripts that print rows as they
+    are measured print :func:`table_header` first, then each :func:`table_row`."""
+    return "\n".join([table_header(header), *(table_row(row) for row in rows)])
 
 
 def cells(spec: dict[str, Any]) -> list[Cell]:
@@ -137,10 +191,7 @@ def run_cell(spec: dict[str, Any], cell: Cell, out_dir: Path) -> Path:
     start = time.perf_counter()
     log = run_closed_loop(ClosedLoopConfig(**config), target, objective, shadow_targets=shadows)
     seconds = time.perf_counter() - start
-    path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps({"cell": cell, "seconds": seconds, "log": log.as_dict()}))
-    partial.rename(path)  # atomic: a killed cell leaves no log.json and reruns
+    write_marker(path, {"cell": cell, "seconds": seconds, "log": log.as_dict()})
     return path
 
 
@@ -219,15 +270,11 @@ def aggregate(
         row.update(diff=None, diff_low=None, diff_high=None, verdict=None)
         partner = setting.replace(f"target={target}", f"target={reference}", 1)
         if target != reference and partner in scores:
-            seeds = sorted(set(by_seed) & set(scores[partner]))
-            diffs = [by_seed[s] - scores[partner][s] for s in seeds]
-            d, d_low, d_high = interval(diffs)
-            improved = d > 0 if higher_is_better else d < 0
-            verdict = (
-                "tie"
-                if d_low <= 0.0 <= d_high
-                else ("differs" if higher_is_better is None else "better" if improved else "worse")
+            d, d_low, d_high, verdict = paired_difference(
+                by_seed, scores[partner], higher_is_better=higher_is_better
             )
+            if verdict in ("higher", "lower"):
+                verdict = "differs"  # the sweep's word for a signed metric's difference
             row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
         rows.append(row)
     return rows
@@ -281,20 +328,17 @@ def _scores(spec: dict[str, Any], logs: Logs, metric: str) -> dict[str, dict[int
 
 def table(rows: list[dict[str, Any]]) -> str:
     """A markdown table of :func:`aggregate`'s rows."""
-    lines = [
-        "| setting | mean [95% CI] | diff vs reference [95% CI] | verdict |",
-        "|---|---|---|---|",
-    ]
+    header = ["setting", "mean [95% CI]", "diff vs reference [95% CI]", "verdict"]
+    cells = []
     for r in rows:
         diff = (
             ""
             if r["diff"] is None
             else f"{r['diff']:+.4f} [{r['diff_low']:+.4f}, {r['diff_high']:+.4f}]"
         )
-        lines.append(
-            f"| {r['setting']} | {r['mean']:.4f} [{r['low']:.4f}, {r['high']:.4f}] | {diff} | {r['verdict'] or 'reference'} |"
-        )
-    return "\n".join(lines)
+        mean = f"{r['mean']:.4f} [{r['low']:.4f}, {r['high']:.4f}]"
+        cells.append([r["setting"], mean, diff, r["verdict"] or "reference"])
+    return markdown_table(header, cells)
 
 
 def plot(rows: list[dict[str, Any]], path: Path, metric: str) -> None:

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from benchmarks import long_responses
-from benchmarks._timing import model_size, positive_int
+from benchmarks._common import model_size, positive_int
 from benchmarks.long_responses import failure, ladder
 
 

@@ -22,13 +22,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from benchmarks._common import qwen2_config, recipe_memory_line
 from brace_lightning.models import ValueModel, build_char_tokenizer, load_actor
-from brace_lightning.models.memory import (
-    fsdp_bytes_per_rank,
-    parameter_counts,
-    qwen2_config,
-    recipe_memory_line,
-)
+from brace_lightning.models.memory import fsdp_bytes_per_rank, parameter_counts
 from brace_lightning.models.meta_init import (
     fill_from_safetensors,
     load_sharded_actor,

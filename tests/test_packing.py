@@ -476,7 +476,8 @@ def test_the_long_responses_padded_baseline_takes_the_log_probs_path_it_is_given
         lengths=[], rows=3, batch_lengths=[4, 16], seed=0, device="cpu", paths=["full"],
         padded_rows=2, max_tokens=32, plans=[], chunk_size=8, padded_logprobs=padded_logprobs,
     )  # fmt: skip
-    model = long_responses.load_causal_lm(long_responses.qwen25_05b_config(1, 17, 64), seed=0)
+    config = long_responses.qwen2_config(layers=1, vocab_size=64, max_positions=17)
+    model = long_responses.load_causal_lm(config, seed=0)
     sizes: list[int | None] = []
 
     def recording(*a: Any, chunk_size: int | None = None, **kw: Any) -> Any:

@@ -1,7 +1,8 @@
 """Memory accounting for FSDP2 training of the actor and the critic (per rank / per GPU).
 
 :func:`fsdp_bytes_per_rank` is what ``benchmarks/fsdp_memory.py`` prints beside its measurements
-and what the GPU recipes' headers quote. It counts the sharded training state only:
+and what the GPU recipes' headers quote (``benchmarks/_common.py: recipe_memory_line``, for the
+Qwen2.5 shapes there). It counts the sharded training state only:
 
 - parameters (``param_bytes`` each, fp32 by default: FSDP2 keeps fp32 shards even under a bf16
   ``MixedPrecisionPolicy``), gradients (same dtype as the shards), AdamW's two moments (fp32);
@@ -16,7 +17,7 @@ batch and the engine's settings).
 from __future__ import annotations
 
 import torch
-from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig, Qwen2Config
+from transformers import AutoModel, AutoModelForCausalLM, PretrainedConfig
 
 from brace_lightning.models.parallelize import transformer_blocks
 
@@ -67,44 +68,3 @@ def fsdp_bytes_per_rank(
     total = counts["actor"] + counts["critic"]
     sharded = total * (2 * param_bytes + optimizer_bytes) / world_size
     return int(sharded + 2 * counts["largest_unit"] * compute_bytes)
-
-
-#: Shapes of the checkpoints the GPU recipes name (from their ``config.json``), so that the memory
-#: per GPU can be computed offline: hidden, intermediate, layers, attention heads, KV heads.
-QWEN2_SHAPES = {
-    "Qwen/Qwen2.5-0.5B-Instruct": (896, 4864, 24, 14, 2),
-    "Qwen/Qwen2.5-1.5B-Instruct": (1536, 8960, 28, 12, 2),
-}
-
-
-def qwen2_config(name: str, *, layers: int | None = None) -> Qwen2Config:
-    """The config of a checkpoint of :data:`QWEN2_SHAPES` (vocabulary 151,936, tied embeddings),
-    with ``layers`` blocks instead of its own when given.
-
-    Raises:
-        ValueError: for a name outside :data:`QWEN2_SHAPES`.
-    """
-    if name not in QWEN2_SHAPES:
-        raise ValueError(f"qwen2_config got {name!r}; expected one of {', '.join(QWEN2_SHAPES)}.")
-    hidden, intermediate, depth, heads, kv_heads = QWEN2_SHAPES[name]
-    return Qwen2Config(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=depth if layers is None else layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        vocab_size=151936,
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
-
-
-def recipe_memory_line(name: str, world_size: int) -> str:
-    """The memory line of a GPU recipe's header for actor ``name`` on ``world_size`` GPUs under
-    bf16 compute (the tests check each recipe's header against it)."""
-    gib = fsdp_bytes_per_rank(qwen2_config(name), world_size, compute_bytes=2) / 2**30
-    return (
-        f"# Expected memory per GPU: {gib:.1f} GiB of training state for actor + critic on "
-        f"{world_size} GPU(s) (brace_lightning.models.memory.fsdp_bytes_per_rank: fp32 shards, "
-        "grads and AdamW / GPUs + one bf16 block gathered per model), plus activations and engine."
-    )
