@@ -16,12 +16,13 @@ import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
 from brace_lightning.checks import require_int
-from brace_lightning.models.warmstart import (
+from brace_lightning.models.critic import critic_seed
+from brace_lightning.seeds import run_seed
+from brace_lightning.warmstart import (
     broadcast_from_rank_zero,
     copy_backbone_to_critic,
     supervised_warm_start,
 )
-from brace_lightning.seeds import run_seed
 
 
 class SupervisedWarmStart(pl.Callback):
@@ -94,7 +95,7 @@ class SupervisedWarmStart(pl.Callback):
         )
         self.final_loss = losses[-1]
         if self.copy_to_critic:
-            copy_backbone_to_critic(pl_module.actor, pl_module.critic, seed=self.seed + 1)
+            copy_backbone_to_critic(pl_module.actor, pl_module.critic, seed=critic_seed(self.seed))
         broadcast_from_rank_zero(pl_module.actor, pl_module.critic)
         self.done = True
         if trainer.logger is not None:

@@ -8,17 +8,24 @@ LightningCLI writes for them (``{"class_path": "brace_lightning.targets.GAE", "i
 module built by LightningCLI already receives its hyperparameters in this form; one built in
 Python gets them converted by :func:`to_config`, and :func:`from_config` turns them back into
 objects when the checkpoint is loaded. At the end of ``fit`` :func:`log_final_hparams` fills
-TensorBoard's HParams tab with the final metrics.
+TensorBoard's HParams tab with the final metrics. :func:`check_module_arguments` validates the
+module's own arguments (one sentence per mistake).
 """
 
 from __future__ import annotations
 
 import inspect
+import math
 import sys
 from typing import Any, TypeVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
+
+from brace_lightning.checks import require_bool, require_int
+from brace_lightning.models.parallelize import mixed_precision_dtypes
+from brace_lightning.models.weight_sync import bucket_bytes_from_mb
+from brace_lightning.objectives.functional import KL_ESTIMATORS
 
 T = TypeVar("T")
 
@@ -40,6 +47,18 @@ def to_config(obj: object) -> dict[str, Any]:
             )
         init_args[name] = getattr(obj, name)
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+
+
+def save_component_configs(module: pl.LightningModule, names: tuple[str, ...]) -> None:
+    """Save the component objects among ``module``'s hyperparameters ``names`` as the configs
+    LightningCLI writes (one built by LightningCLI already holds dicts)."""
+    objects = {
+        name: to_config(module.hparams[name])
+        for name in names
+        if not isinstance(module.hparams[name], dict)  # built in Python, not by LightningCLI
+    }
+    if objects:
+        module.save_hyperparameters(objects)
 
 
 def from_config(value: T | dict[str, Any], base: type[T], argument: str) -> T:
@@ -92,3 +111,35 @@ def log_final_hparams(module: pl.LightningModule) -> None:
         trainer.logger.log_hyperparams(
             module.hparams_initial, metrics, step=int(getattr(module, "rollout_step", 0))
         )
+
+
+#: Where the KL to the reference policy goes: a term of the actor loss or a reward penalty.
+KL_MODES = ("loss", "reward")
+
+
+def check_module_arguments(args: dict[str, Any]) -> None:
+    """One ValueError sentence for the first bad argument of ``BraceModule`` (``args``: its
+    ``__init__``'s arguments by name)."""
+    for name, low in (("ppo_epochs", 1), ("num_minibatches", 1), ("critic_warmup_steps", 0)):
+        require_int(name, args[name], low)
+    for name in ("micro_batch_size", "max_tokens_per_micro_batch"):
+        value = args[name]
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name} must be None or an integer >= 1; got {value!r}.")
+    max_grad_norm = args["max_grad_norm"]
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
+    require_bool("pack_sequences", args["pack_sequences"])
+    kl_coef = args["kl_coef"]
+    if isinstance(kl_coef, bool) or not (
+        isinstance(kl_coef, int | float) and 0.0 <= kl_coef < math.inf
+    ):
+        raise ValueError(f"kl_coef must be a finite number >= 0; got {kl_coef!r}.")
+    if args["kl_estimator"] not in KL_ESTIMATORS:
+        raise ValueError(
+            f"kl_estimator must be one of {', '.join(KL_ESTIMATORS)}; got {args['kl_estimator']!r}."
+        )
+    if args["kl_mode"] not in KL_MODES:
+        raise ValueError(f"kl_mode must be one of {', '.join(KL_MODES)}; got {args['kl_mode']!r}.")
+    bucket_bytes_from_mb(args["weight_sync_bucket_mb"])  # validates the setting
+    mixed_precision_dtypes(args["fsdp_mixed_precision"], "cpu")  # validates the setting

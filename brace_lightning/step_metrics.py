@@ -1,7 +1,10 @@
-"""How a training step's metrics reach Lightning: through ``LightningModule.log_dict``.
+"""A training step's metrics: what is measured, how minibatch statistics fold, how they reach Lightning.
 
-The module computes one dict of scalars per rollout step, already combined over ranks
-(:func:`brace_lightning.module.combine_rank_metrics`), so every rank logs the same values and no
+- :class:`UpdateStats` folds the objectives' per-micro-batch statistics into per-minibatch values and
+  those into one value per rollout step; :func:`step_statistics` measures the batch, the critic and
+  the importance weights; :func:`beta_metrics` the critic targets' β by remaining horizon.
+- The module combines them into one dict of scalars per rollout step, combined over ranks
+  (:func:`brace_lightning.ranks.combine_rank_metrics`), so every rank logs the same values and no
 ``sync_dist`` is needed. Logging them with ``self.log_dict`` (not ``logger.log_metrics``) puts them
 in ``trainer.callback_metrics``, where ``ModelCheckpoint(monitor="rollout/reward")`` and
 ``EarlyStopping`` find them. A logged ``"step"`` key sets the logger's x-axis (Lightning's
@@ -11,19 +14,28 @@ convention), so TensorBoard stays indexed by rollout step rather than by optimiz
 
 from __future__ import annotations
 
+import contextlib
+import math
 import resource
 import sys
-from collections.abc import Mapping
+import time
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from brace_lightning.metrics import HorizonBeta
+from brace_lightning.metrics.functional import reward_to_go
+from brace_lightning.objectives.functional import MAX_LOG_RATIO
 from brace_lightning.rollout.types import RolloutBatch
 
 #: ``data/*`` entries of the batch info that repeat a ``rollout/*`` metric under another name.
 DUPLICATE_INFO = frozenset({"mean_score", "accuracy", "mean_response_length"})
+
+#: Below this return variance the critic's explained variance is logged as NaN.
+EXPLAINED_VARIANCE_MIN_VAR = 1e-6
 
 #: Progress-bar name -> logged metric (shown when the metric was logged this step).
 PROGRESS_BAR = {
@@ -49,6 +61,152 @@ def log_step_metrics(
     module.log_dict(
         bar, prog_bar=True, logger=False, on_step=True, on_epoch=False, batch_size=batch_size
     )
+
+
+class PhaseTimer:
+    """Wall seconds of named phases: ``with timer("update"): ...`` → ``timer.seconds["update"]``."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.seconds[name] = time.perf_counter() - start
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of ``x`` over ``mask`` (0 for an empty mask)."""
+    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+class UpdateStats:
+    """Statistics of one rollout step's PPO update.
+
+    Within a minibatch (:meth:`add`, :meth:`add_objective`) values are summed, ``*_max`` maximised;
+    :meth:`end_minibatch` closes a minibatch (after the rank reduction); :meth:`fold` gives one value
+    per rollout step: ``*_max`` → maximum over minibatches, ``*_tokens`` → tokens per pass over the
+    batch, the rest → mean over minibatches.
+    """
+
+    def __init__(self) -> None:
+        self.minibatch: dict[str, torch.Tensor] = {}
+        self.per_update: dict[str, list[torch.Tensor]] = {}
+
+    def add(self, name: str, value: torch.Tensor) -> None:
+        """Add ``value`` to this minibatch's ``name``."""
+        sums = self.minibatch
+        sums[name] = sums[name] + value if name in sums else value
+
+    def add_objective(
+        self, prefix: str, stats: dict[str, torch.Tensor], tokens: torch.Tensor
+    ) -> None:
+        """Fold an objective's micro-batch stats: ``*_count`` → fraction of the minibatch's action
+        tokens and ``*_tokens`` (the count itself: tokens the rule hit), ``*_sum`` → mean per action
+        token, ``*_max`` → maximum."""
+        for name, value in stats.items():
+            value = value.detach().float()
+            if name.endswith("_max"):
+                key = f"{prefix}/{name}"
+                sums = self.minibatch
+                sums[key] = torch.maximum(sums[key], value) if key in sums else value
+            elif name.endswith("_count"):
+                rule = name.removesuffix("_count")
+                self.add(f"{prefix}/{rule}_fraction", value / tokens)
+                self.add(f"{prefix}/{rule}_tokens", value)
+            elif name.endswith("_sum"):
+                self.add(f"{prefix}/{name.removesuffix('_sum')}_mean", value / tokens)
+            else:
+                self.add(f"{prefix}/{name}", value)
+
+    def end_minibatch(self, sums: dict[str, torch.Tensor]) -> None:
+        """Keep a finished minibatch's (rank-reduced) ``sums`` and start the next one."""
+        for name, value in sums.items():
+            self.append(name, value)
+        self.minibatch = {}
+
+    def append(self, name: str, value: torch.Tensor | float) -> None:
+        """One more per-update value of ``name`` (a gradient norm, a timing)."""
+        self.per_update.setdefault(name, []).append(torch.as_tensor(value))
+
+    def fold(self, ppo_epochs: int) -> dict[str, torch.Tensor]:
+        """One value per statistic for the rollout step."""
+        out = {}
+        for name, values in self.per_update.items():
+            per_update = torch.stack([v.float().reshape(()) for v in values])
+            if name.endswith("_max"):
+                out[name] = per_update.max()
+            elif name.endswith("_tokens"):  # tokens per pass over the rollout batch
+                out[name] = per_update.sum() / ppo_epochs
+            else:
+                out[name] = per_update.mean()
+        return out
+
+
+def step_statistics(
+    batch: RolloutBatch,
+    proximal_logprobs: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+) -> dict[str, float | torch.Tensor]:
+    """Reward and length of the batch, the critic's fit to its targets, and the importance
+    weights w = π_prox/µ with the KL(µ‖π) estimates (``kl/mu_pi_k3``; ``kl/pi_mu`` = mean w·log w)."""
+    mask = batch.mask
+    log_w = (proximal_logprobs - batch.behavior_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    w = log_w.exp()
+    residual_var = masked_mean(
+        (returns - old_values - masked_mean(returns - old_values, mask)) ** 2, mask
+    )
+    return_var = masked_mean((returns - masked_mean(returns, mask)) ** 2, mask)
+    metrics: dict[str, float | torch.Tensor] = {
+        "rollout/reward": batch.scores.float().mean(),
+        "rollout/response_length": mask.sum(1).float().mean(),
+        # Undefined (NaN, as in Stable-Baselines3) when the targets have no spread: a floor on
+        # the denominator would log values like -1e6 for batches whose rewards are all equal.
+        "critic/explained_variance": 1.0 - residual_var / return_var
+        if float(return_var) > EXPLAINED_VARIANCE_MIN_VAR
+        else math.nan,
+        "critic/value_mean": masked_mean(old_values, mask),
+        "critic/target_mean": masked_mean(returns, mask),
+        "weights/log_w_mean": masked_mean(log_w, mask),
+        "weights/w_mean": masked_mean(w, mask),
+        "weights/w_max": torch.where(mask, w, 0.0).max(),
+        "kl/mu_pi_k3": masked_mean(w - 1.0 - log_w, mask),
+        "kl/pi_mu": masked_mean(w * log_w, mask),
+        "mismatch/abs_logprob_diff": masked_mean(log_w.abs(), mask),
+    }
+    if batch.correct is not None:
+        metrics["rollout/accuracy"] = batch.correct.float().mean()
+    return metrics
+
+
+def beta_metrics(
+    horizon_beta: HorizonBeta, batch: RolloutBatch, returns: torch.Tensor, gamma: float
+) -> dict[str, float]:
+    """β of this step's critic targets on the realized return, per remaining-horizon bin
+    (``critic/beta_by_horizon/h<edge>``), and ``critic/beta``: the longest defined bin's β."""
+    realized = reward_to_go(batch.rewards, batch.mask, gamma=gamma)
+    horizon_beta.reset()
+    horizon_beta.update(returns, realized, batch.mask)
+    beta = horizon_beta.compute()
+    out: dict[str, float] = {}
+    for edge, value, defined in zip(
+        beta.edges.tolist(), beta.value.tolist(), beta.defined.tolist(), strict=True
+    ):
+        if defined:
+            out[f"critic/beta_by_horizon/h{edge:05d}"] = value
+            out["critic/beta"] = value  # bins ascend: the last defined one wins
+    return out
+
+
+def info_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """The data module's numeric batch info as ``data/*`` (repeats of ``rollout/*`` left out)."""
+    return {
+        f"data/{name}": float(value)
+        for name, value in batch.info.items()
+        if isinstance(value, int | float) and name not in ("temperature", *DUPLICATE_INFO)
+    }
 
 
 #: Every this many rollout steps, a few sample completions go to TensorBoard as text.

@@ -122,7 +122,7 @@ def _build(module: str, entry: dict[str, Any]) -> Any:
 
 def run_cell(spec: dict[str, Any], cell: Cell, out_dir: Path) -> Path:
     """Run one cell (unless its ``log.json`` exists) and return the file's path."""
-    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
+    from brace_lightning.closed_loop import ClosedLoopConfig, run_closed_loop
 
     path = out_dir / cell["name"] / "log.json"
     if path.exists():

@@ -139,7 +139,7 @@ class RankReport(pl.Callback):
             "rank": trainer.global_rank,
             "world_size": trainer.world_size,
             "sharded": is_sharded(pl_module.actor),
-            "packed": pl_module._packs,  # forwards on packed rows (pack_sequences)
+            "packed": pl_module.scorer.packed,  # forwards on packed rows (pack_sequences)
             "policy_version": pl_module.policy_version,
             "rollout_step": pl_module.rollout_step,
             "checksum": {

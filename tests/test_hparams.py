@@ -121,7 +121,7 @@ def test_load_from_checkpoint_restores_pack_sequences(tmp_path: Path) -> None:
     loaded = BraceModule.load_from_checkpoint(
         _checkpoint(module, tmp_path / "packed.ckpt"), weights_only=True
     )
-    assert loaded.pack_sequences is True and loaded.max_tokens_per_micro_batch == 64
+    assert loaded.scorer.pack_sequences is True and loaded.scorer.max_tokens == 64
     with pytest.raises(ValueError, match="pack_sequences must be a bool; got 'yes'"):
         BraceModule(pack_sequences="yes", tiny_hidden_size=32, tiny_num_layers=1)
 

@@ -252,7 +252,7 @@ def perturbed_reference(module: BraceModule, seed: int = 1) -> dict[str, torch.T
     with torch.no_grad():
         for param in module.reference_actor.parameters():
             param.add_(torch.randn(param.shape, generator=g) * 0.05)
-    module._reference_captured = True
+    module.reference.captured = True
     return {k: v.clone() for k, v in module.reference_actor.state_dict().items()}
 
 
@@ -354,7 +354,7 @@ def test_the_reference_is_captured_once_and_stays_the_initial_policy() -> None:
             param.mul_(1.5)
     initial = weights(module.actor)
     metrics = fit_steps(module, batch, steps=3)
-    assert module._reference_captured
+    assert module.reference.captured
     reference, actor = weights(module.reference_actor), weights(module.actor)
     assert all(torch.equal(reference[name], initial[name]) for name in initial)
     assert any(not torch.equal(actor[name], initial[name]) for name in initial)
@@ -377,7 +377,7 @@ def test_a_checkpoint_keeps_the_reference_and_kl_off_drops_it(tmp_path: Path) ->
     path = _checkpoint(module, tmp_path / "kl.ckpt")
     loaded = BraceModule.load_from_checkpoint(path, weights_only=True)
     assert (loaded.kl_coef, loaded.kl_estimator, loaded.kl_mode) == (0.1, "k1", "reward")
-    assert loaded._reference_captured  # so a later fit does not capture the loaded actor
+    assert loaded.reference.captured  # so a later fit does not capture the loaded actor
     for name, value in loaded.reference_actor.state_dict().items():
         assert torch.equal(value, reference[name]), name
     off = BraceModule.load_from_checkpoint(path, weights_only=True, kl_coef=0.0)
@@ -424,7 +424,7 @@ def test_fsdp_shards_the_reference_without_checkpointing_and_copies_the_actor_in
     assert all(isinstance(p, DTensor) and not p.is_meta for p in reference.parameters())
     assert any(isinstance(m, CheckpointWrapper) for m in module.actor.modules())
     assert not any(isinstance(m, CheckpointWrapper) for m in reference.modules())
-    module._capture_reference()
+    module.reference.capture(module.actor)
     actor, copied = full_state_dict(module.actor), full_state_dict(reference)
     assert list(copied) == list(actor)
     assert all(torch.equal(copied[k], actor[k]) for k in actor)
@@ -481,7 +481,7 @@ def test_a_resumed_run_keeps_the_initial_reference_and_equals_the_straight_run(
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)
     assert saved["brace"]["reference_captured"] is True
-    assert any(key.startswith("reference_actor.") for key in saved["state_dict"])
+    assert any(key.startswith("reference.policy.") for key in saved["state_dict"])
     resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=4))
     assert resumed.model.rollout_step == 4
 

@@ -98,7 +98,7 @@ def test_token_budget_step_equals_one_big_batch(tmp_path, packed):
             steps=1,
         )
     )
-    assert budget.model._packs is packed
+    assert budget.model.scorer.packed is packed
     a, b = actor_weights(whole), actor_weights(budget)
     initial = load_actor(
         TINY, tokenizer=load_tokenizer(TINY), hidden_size=64, num_layers=1, seed=0

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.critic import ValueModel, critic_seed, init_value_head
 from brace_lightning.models.policy import (
     load_causal_lm,
     position_ids_from_attention_mask,
@@ -14,7 +14,7 @@ from brace_lightning.models.policy import (
     token_logprobs,
 )
 from brace_lightning.models.tokenizer import CHARACTERS, build_char_tokenizer
-from brace_lightning.models.warmstart import _encode_pairs, supervised_warm_start
+from brace_lightning.warmstart import _encode_pairs, supervised_warm_start
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +178,30 @@ def test_value_model_shapes_padding_and_small_init(actor):
     assert values.abs().max() < 0.1  # small head init: values start near 0
     alone = critic(torch.tensor([rows[1]]), torch.ones(1, 2, dtype=torch.bool))
     torch.testing.assert_close(values[1, -2:], alone[0], atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("hidden", [16, 64, 896])
+def test_init_value_head_with_a_generator_draws_the_former_sharded_head(hidden):
+    # meta_init drew the sharded critic's head as randn(shape) * std; the one initialisation
+    # must give the same numbers from the same generator (heads of >= 16 weights).
+    weight, bias = torch.empty(1, hidden), torch.ones(1)
+    init_value_head(weight, bias, std=1e-3, generator=torch.Generator().manual_seed(5))
+    former = torch.randn((1, hidden), generator=torch.Generator().manual_seed(5)) * 1e-3
+    assert torch.equal(weight, former) and torch.equal(bias, torch.zeros(1))
+
+
+def test_value_model_head_is_init_value_head_from_the_global_generator(actor):
+    torch.manual_seed(11)
+    critic = ValueModel(actor.base_model, head_init_std=0.5)
+    torch.manual_seed(11)
+    head = torch.nn.Linear(critic.value_head.in_features, 1)  # draws its own init first, as there
+    init_value_head(head.weight, head.bias, std=0.5)
+    assert torch.equal(critic.value_head.weight, head.weight)
+    assert torch.equal(critic.value_head.bias, torch.zeros(1))
+
+
+def test_critic_seed_differs_from_the_run_seed():
+    assert [critic_seed(s) for s in (0, 7)] == [1, 8]
 
 
 def test_value_model_from_actor_copies_weights_into_separate_storage(actor):

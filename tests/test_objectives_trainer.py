@@ -138,7 +138,7 @@ def test_ewma_actor_is_the_bias_corrected_average_of_the_weights_after_each_step
     module = BraceModule(
         tiny_hidden_size=64, tiny_num_layers=1, actor_objective=PPOEWMA(ewma_decay=decay)
     )
-    assert module.ewma_actor is not None and int(module.ewma_steps) == 0
+    assert module.ewma_actor is not None and int(module.ewma.steps) == 0
     generator = torch.Generator().manual_seed(0)
     snapshots = []
     for _ in range(3):
@@ -146,8 +146,8 @@ def test_ewma_actor_is_the_bias_corrected_average_of_the_weights_after_each_step
             for param in module.actor.parameters():
                 param.copy_(torch.randn(param.shape, generator=generator))
         snapshots.append([p.detach().clone() for p in module.actor.parameters()])
-        module._update_ewma()
-    assert int(module.ewma_steps) == 3
+        module.ewma.update(module.actor)
+    assert int(module.ewma.steps) == 3
     # θ_ewma = Σ_i (1 − β) β^(n−i) θ_i / (1 − β^n): weights that sum to 1.
     coefficients = [(1 - decay) * decay ** (3 - i) / (1 - decay**3) for i in (1, 2, 3)]
     for k, ewma in enumerate(module.ewma_actor.parameters()):
@@ -177,7 +177,7 @@ def test_ewma_logprobs_are_the_proximal_policy_and_their_forward_is_timed(tmp_pa
             steps=3,
         )
     )
-    assert int(cli.model.ewma_steps) == 3
+    assert int(cli.model.ewma.steps) == 3
     scalars = read_scalars(cli.trainer.logger.log_dir)
     kl = dict(scalars["actor/approx_kl_mean"])
     forward_ms = dict(scalars["time/ewma_forward_ms"])
@@ -202,16 +202,16 @@ def test_ewma_weights_are_checkpointed_and_resume_exactly(tmp_path: Path) -> Non
     straight = run(small_run(tmp_path / "straight", *common, steps=4))
     save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
     first = run(small_run(tmp_path / "first", *common, *save, steps=4))
-    assert first.model.rollout_step == 3 and int(first.model.ewma_steps) == 4
+    assert first.model.rollout_step == 3 and int(first.model.ewma.steps) == 4
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # named by rollout step
     saved = torch.load(checkpoint, map_location="cpu", weights_only=True)["state_dict"]
-    assert int(saved["ewma_steps"]) == 4
-    ewma_keys = {f"ewma_actor.{name}" for name in first.model.ewma_actor.state_dict()}
+    assert int(saved["ewma.steps"]) == 4
+    ewma_keys = {f"ewma.policy.{name}" for name in first.model.ewma_actor.state_dict()}
     assert ewma_keys <= saved.keys()
     resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=4))
 
     # 3 actor-training rollout steps × 2 minibatches.
-    assert int(straight.model.ewma_steps) == int(resumed.model.ewma_steps) == 6
+    assert int(straight.model.ewma.steps) == int(resumed.model.ewma.steps) == 6
     a, b = straight.model.state_dict(), resumed.model.state_dict()
     assert a.keys() == b.keys()
     for name in a:

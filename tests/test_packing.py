@@ -19,7 +19,7 @@ import torch
 from transformers import BloomConfig, FalconConfig, LlamaConfig, MistralConfig, PretrainedConfig
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer
 
-import brace_lightning.module
+import brace_lightning.scorer
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.packing import (
     VARLEN_SDPA,
@@ -266,12 +266,12 @@ def _train(source: str, **kwargs: Any) -> tuple[dict[str, dict], dict[str, float
     ``kl_coef`` the reference differs from the actor (as after training)."""
     module = sgd_module(actor=source, num_minibatches=2, **kwargs)
     if module.ewma_actor is not None:
-        module.ewma_steps.fill_(1)
+        module.ewma.steps.fill_(1)
     if module.reference_actor is not None:
         perturbed_reference(module)
     metrics = fit_steps(module, fixed_batch(), steps=1)
-    assert module._packs is kwargs.get("pack_sequences", True)
-    if module._packs:  # every SDPA model of the run attends row by row on packed rows
+    assert module.scorer.packed is kwargs.get("pack_sequences", True)
+    if module.scorer.packed:  # every SDPA model of the run attends row by row on packed rows
         copies = [m for m in (module.ewma_actor, module.reference_actor) if m is not None]
         for model in (module.actor, module.critic.backbone, *copies):
             assert model.config._attn_implementation == VARLEN_SDPA
@@ -296,7 +296,7 @@ def test_a_packed_training_step_equals_the_padded_one(
     def padded_call(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("a packed run called token_logprobs on padded rows")
 
-    monkeypatch.setattr(brace_lightning.module, "token_logprobs", padded_call)
+    monkeypatch.setattr(brace_lightning.scorer, "token_logprobs", padded_call)
     critic_calls: list[bool] = []
     monkeypatch.setattr(
         ValueModel,
@@ -375,7 +375,7 @@ def test_a_model_that_cannot_pack_trains_on_padded_rows_after_one_sentence(
         f"not match the rows run one by one{sentences[0].split('one by one')[1]}"
     ]
     assert sentences[0].endswith("); every forward uses padded rows.")
-    assert module._packs is False
+    assert module.scorer.packed is False
     assert module.actor.config._attn_implementation == "sdpa"
     for name, model in (("actor", module.actor), ("critic", module.critic)):
         for key, value in weights(model).items():

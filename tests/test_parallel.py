@@ -40,8 +40,9 @@ from brace_lightning.models.parallelize import (
 )
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.weight_sync import gather_state_dict, gathered_buckets, plan_buckets
-from brace_lightning.module import BraceModule, combine_rank_metrics
+from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
+from brace_lightning.ranks import combine_rank_metrics
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 from tests.dist_support import one_process_group, spawn_gloo_ranks

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from brace_lightning.models.tokenizer import build_char_tokenizer
-from brace_lightning.models.warmstart import _encode_pairs
-from brace_lightning.rollout.collect import encode_prompt, encode_prompts
 from brace_lightning.tasks import HFPrompts, JSONLPrompts, Prompt
+from brace_lightning.tasks.base import encode_prompt, encode_prompts
+from brace_lightning.warmstart import _encode_pairs
 
 REPO = Path(__file__).resolve().parents[1]
 CHAT_TEMPLATE = (

@@ -353,8 +353,8 @@ def test_beta_decays_under_vtrace_but_not_under_brace_past_k() -> None:
 
 
 def _closed_loop(**overrides: object) -> object:
+    from brace_lightning.closed_loop import ClosedLoopConfig, run_closed_loop
     from brace_lightning.objectives import PPOClip
-    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
 
     settings: dict[str, object] = {"horizon": 8, "versions": 30, "batch_size": 64, "seed": 3}
     settings.update(overrides)
@@ -386,15 +386,15 @@ def test_closed_loop_seed_reproduces_exactly_and_staleness_drift_show() -> None:
 
 
 def test_closed_loop_rejects_bad_config() -> None:
-    from brace_lightning.sim.closed_loop import ClosedLoopConfig
+    from brace_lightning.closed_loop import ClosedLoopConfig
 
     with pytest.raises(ValueError, match="staleness must be >= 0; got -1"):
         ClosedLoopConfig(staleness=-1)
 
 
 def test_closed_loop_beta_is_one_for_the_plain_return_and_logged_per_horizon_bin() -> None:
+    from brace_lightning.closed_loop import ClosedLoopConfig, run_closed_loop
     from brace_lightning.objectives import PPOClip
-    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
 
     config = ClosedLoopConfig(horizon=16, versions=6, batch_size=64, staleness=2, seed=1)
     gae = run_closed_loop(config, GAE(), PPOClip())
@@ -409,7 +409,7 @@ def test_closed_loop_beta_is_one_for_the_plain_return_and_logged_per_horizon_bin
 
 
 def test_drift_is_scaled_to_the_requested_kl_on_pi_occupancy() -> None:
-    from brace_lightning.sim.closed_loop import _drift
+    from brace_lightning.closed_loop import _drift
 
     mdp = CountingMDP.calibrated(64, 4, success=0.1)
     pi = _random_logits(mdp, seed=5, scale=0.5)
@@ -425,8 +425,8 @@ def test_drift_is_scaled_to_the_requested_kl_on_pi_occupancy() -> None:
 
 
 def test_mlp_actor_learns_and_moves_states_it_never_visited() -> None:
+    from brace_lightning.closed_loop import ClosedLoopConfig, run_closed_loop
     from brace_lightning.objectives import PPOClip
-    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
 
     # A tabular actor only moves the logits of sampled states; the MLP's shared weights move all,
     # so its per-token KL between versions is spread over states the sampler rarely reaches.
@@ -440,7 +440,7 @@ def test_mlp_actor_learns_and_moves_states_it_never_visited() -> None:
     assert log.value_pi[-1] > log.value_pi[0] + 0.1
     # One gradient step on a single state (t = 0, c = 0): the table moves only there; the MLP moves
     # every state (its first step only trains the zero-initialized output layer's bias and weights).
-    from brace_lightning.sim.closed_loop import _Actor
+    from brace_lightning.closed_loop import _Actor
 
     mdp = CountingMDP.calibrated(16, 4, success=0.1)
     for kind, moves_elsewhere in (("tabular", False), ("mlp", True)):
@@ -468,8 +468,8 @@ def test_mlp_actor_learns_and_moves_states_it_never_visited() -> None:
 
 @pytest.mark.parametrize("critic", ["tabular", "mlp"])
 def test_shadow_critics_learn_from_the_same_data_without_touching_the_run(critic: str) -> None:
+    from brace_lightning.closed_loop import ClosedLoopConfig, run_closed_loop
     from brace_lightning.objectives import PPOClip
-    from brace_lightning.sim.closed_loop import ClosedLoopConfig, run_closed_loop
 
     config = ClosedLoopConfig(
         horizon=16, versions=8, staleness=2, drift="gaussian", drift_kl=0.02, critic=critic,

@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from brace_lightning.callbacks import SupervisedWarmStart
-from brace_lightning.models.warmstart import copy_backbone_to_critic
+from brace_lightning.models.critic import critic_seed
 from brace_lightning.module import BraceModule
 from brace_lightning.tasks import ArithmeticTask
+from brace_lightning.warmstart import copy_backbone_to_critic
 
 
 def _module() -> BraceModule:
@@ -67,6 +68,11 @@ def test_warm_start_trains_the_actor_and_seeds_the_critic_in_setup() -> None:
     actor_base = module.actor.base_model.state_dict()
     for name, value in module.critic.backbone.state_dict().items():
         assert torch.equal(value, actor_base[name])
+    head = module.critic.value_head.weight
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(critic_seed(callback.seed))  # the critic's seed, not the pairs' seed
+        expected = torch.empty_like(head).normal_(0.0, 1e-3)
+    assert torch.equal(head, expected)
     # Runs once: a second setup (or one on resume, or for validate) leaves the weights alone.
     trained = _weights(module.actor)
     callback.setup(_trainer(ArithmeticTask()), module, "fit")

@@ -252,7 +252,7 @@ plt.show()
 # Everything above uses critics fitted to convergence on one fixed batch: the fixed points. A
 # trainer's critic is never converged. It takes a few steps per policy version, on new samples,
 # while π keeps moving, and every bootstrapped target (V-trace, BRACE's window) is built from
-# that lagging critic. The closed-loop simulator (`brace_lightning.sim.run_closed_loop`) runs
+# that lagging critic. The closed-loop simulator (`brace_lightning.closed_loop.run_closed_loop`) runs
 # that loop with exact ground truth: an actor learns from sampled, S-versions-old batches with
 # PPO, and *shadow critics* — one per value target, same kind, rate and update budget — learn
 # from the same batches (the actor follows GAE's advantages, so every critic sees one
@@ -260,8 +260,8 @@ plt.show()
 # critic updates per version.
 
 # %%
+from brace_lightning.closed_loop import ClosedLoopConfig, run_closed_loop  # noqa: E402
 from brace_lightning.objectives import PPOClip  # noqa: E402
-from brace_lightning.sim import ClosedLoopConfig, run_closed_loop  # noqa: E402
 
 caps = [0, 5, 20, None]  # k = 0 with the tail is the Monte-Carlo return (GAE with λ = 1)
 shadows = {f"k={k}": BRACE(k=k) for k in caps} | {"k=5, no tail": BRACE(k=5, mc_tail=False)}

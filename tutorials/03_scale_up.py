@@ -50,7 +50,6 @@ from brace_lightning.logs import read_scalars
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import load_actor, load_tokenizer
-from brace_lightning.models.warmstart import supervised_warm_start
 from brace_lightning.module import shift_values
 from brace_lightning.rollout import EmbeddedEngine
 from brace_lightning.rollout.multiturn import collect_episodes
@@ -58,6 +57,7 @@ from brace_lightning.rollout.vllm import import_vllm
 from brace_lightning.targets import BRACE
 from brace_lightning.targets.functional import brace
 from brace_lightning.tasks import ArithmeticTask, CalculatorEnv
+from brace_lightning.warmstart import supervised_warm_start
 
 torch.set_num_threads(1)
 work = Path(tempfile.mkdtemp(prefix="brace-scale-up-"))

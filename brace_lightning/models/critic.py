@@ -7,7 +7,9 @@ column t − 1 (see ``rollout/types.py``); this class only produces the per-posi
 The critic has its own weights. :meth:`ValueModel.from_actor` starts them as a copy of the actor's
 backbone (the usual PPO-for-LLMs initialisation); :meth:`ValueModel.from_config` starts from random
 weights. The head is a ``Linear(hidden, 1)`` kept in float32 with a small initialisation so that
-initial values are near 0 whatever the backbone's scale.
+initial values are near 0 whatever the backbone's scale (:func:`init_value_head`, the one place that
+draws it; the sharded and the warm-started critics draw it there too). A run's critic is seeded
+with :func:`critic_seed` of the run's seed.
 """
 
 from __future__ import annotations
@@ -19,7 +21,39 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from transformers import AutoModel, PretrainedConfig, PreTrainedModel
 
-from brace_lightning.models.policy import position_ids_from_attention_mask
+from brace_lightning.models.policy import (
+    position_ids_from_attention_mask,
+    recompute_nonpersistent_buffers,
+)
+
+
+def critic_seed(seed: int) -> int:
+    """The seed of a run's critic (its random backbone and value head) from the run's ``seed``:
+    ``seed + 1``, so that actor and critic built from one run seed do not draw the same numbers."""
+    return seed + 1
+
+
+@torch.no_grad()
+def init_value_head(
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    *,
+    std: float,
+    generator: torch.Generator | None = None,
+) -> None:
+    """The value head's initialisation, in place: ``weight ~ N(0, std²)`` elementwise, ``bias = 0``.
+
+    Draws ``weight.numel()`` normals from ``generator``, or from the global generator of
+    ``weight``'s device when None (a meta tensor draws nothing).
+
+    Args:
+        weight: ``[1, H]`` the head's weight (or a full-size tensor to be sliced into shards).
+        bias: ``[1]`` the head's bias.
+        std: standard deviation of the weights (``head_init_std``).
+        generator: the source of the draw; None = the global one.
+    """
+    weight.normal_(0.0, std, generator=generator)
+    bias.zero_()
 
 
 class ValueModel(nn.Module):
@@ -39,8 +73,7 @@ class ValueModel(nn.Module):
         self.backbone = backbone
         hidden_size = backbone.config.get_text_config().hidden_size
         self.value_head = nn.Linear(hidden_size, 1, dtype=torch.float32)
-        nn.init.normal_(self.value_head.weight, std=head_init_std)
-        nn.init.zeros_(self.value_head.bias)
+        init_value_head(self.value_head.weight, self.value_head.bias, std=head_init_std)
 
     @property
     def config(self) -> PretrainedConfig:
@@ -127,8 +160,6 @@ class ValueModel(nn.Module):
                 "sharded critic is read from the actor's checkpoint: "
                 "brace_lightning.models.meta_init.load_sharded_critic)."
             )
-        from brace_lightning.models.meta_init import recompute_nonpersistent_buffers
-
         # The backbone's parameters are created on the meta device (no memory, no random init),
         # then replaced by clones of the actor's; non-persistent buffers (rotary frequencies) are
         # not in the state dict and are rebuilt from the config.

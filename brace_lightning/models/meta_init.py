@@ -26,10 +26,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, PretrainedConfig
 
-from brace_lightning.models.critic import ValueModel
-from brace_lightning.models.parallelize import parallelize
-
-WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+from brace_lightning.models.critic import ValueModel, init_value_head
+from brace_lightning.models.parallelize import WRAPPER_PREFIX, parallelize
+from brace_lightning.models.policy import recompute_nonpersistent_buffers
 
 
 def safetensors_index(folder: str | Path) -> dict[str, Path]:
@@ -72,24 +71,6 @@ def _local_rows(tensor: torch.Tensor) -> tuple[torch.Tensor, slice | None]:
             f"{tuple(shape)}; expected torch.chunk sharding on dim 0."
         )
     return local, slice(offset[0], offset[0] + shape[0])
-
-
-def recompute_nonpersistent_buffers(model: nn.Module, device: torch.device) -> None:
-    """Rebuild the non-persistent buffers (e.g. rotary ``inv_freq``) that ``to_empty`` left
-    uninitialised, from a fresh CPU instance of the owning module built from its config."""
-    for module in model.modules():
-        names = getattr(module, "_non_persistent_buffers_set", set())
-        if not names:
-            continue
-        config = getattr(module, "config", None)
-        if not isinstance(config, PretrainedConfig):
-            raise ValueError(
-                f"meta_init cannot recompute the non-persistent buffers {sorted(names)} of "
-                f"{type(module).__name__}; expected the module to hold a transformers config."
-            )
-        fresh = type(module)(config)
-        for name in names:
-            module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
 
 
 @torch.no_grad()
@@ -211,13 +192,16 @@ def _read_rows(
 
 @torch.no_grad()
 def _init_value_head(critic: ValueModel, *, seed: int, head_init_std: float) -> None:
-    """The value head's :class:`ValueModel` initialisation, the same full tensor on every rank."""
-    generator = torch.Generator().manual_seed(seed)
+    """The value head's initialisation (:func:`~brace_lightning.models.critic.init_value_head`)
+    drawn whole on the CPU from ``seed``, so every rank holds its rows of the same tensor."""
     weight = critic.value_head.weight
-    full = torch.randn(tuple(weight.shape), generator=generator) * head_init_std
+    full = torch.empty(tuple(weight.shape))
+    local_bias = _local_rows(critic.value_head.bias)[0]
+    init_value_head(
+        full, local_bias, std=head_init_std, generator=torch.Generator().manual_seed(seed)
+    )
     local, rows = _local_rows(weight)
     local.copy_(full if rows is None else full[rows])
-    _local_rows(critic.value_head.bias)[0].zero_()
 
 
 def _materialise(model: nn.Module, device: torch.device | str) -> nn.Module:

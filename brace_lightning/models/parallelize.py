@@ -42,6 +42,10 @@ from brace_lightning.models.critic import ValueModel, transformer_of
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, MIB, gathered_buckets
 
+#: What ``checkpoint_wrapper`` (activation checkpointing under FSDP2, see :func:`parallelize`) adds
+#: to the parameter names of a wrapped block; removed wherever names must be Hugging Face's.
+WRAPPER_PREFIX = "_checkpoint_wrapped_module."
+
 #: Where Hugging Face decoder-only models keep their blocks: ``model.layers`` (Llama, Qwen2, Mistral,
 #: Gemma, ...) on the causal LM's base model, ``h`` (GPT-2, Falcon) or ``layers``.
 BLOCK_LISTS = ("layers", "h", "blocks", "decoder.layers")

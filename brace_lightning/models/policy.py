@@ -1,7 +1,8 @@
 """The actor: any Hugging Face causal LM, plus the per-token log-prob computation the trainer uses.
 
 :func:`load_causal_lm` loads a checkpoint (local folder or hub name) or builds a randomly initialised
-model from a config; :func:`tiny_qwen2_config` is the small Qwen2 used by tests, tutorials and the
+model from a config (:func:`recompute_nonpersistent_buffers` completes one built on the meta
+device); :func:`tiny_qwen2_config` is the small Qwen2 used by tests, tutorials and the
 CPU quickstart (head_dim 32 so that vLLM's CPU attention can serve it too).
 
 :func:`token_logprobs` is the one place where log π(token) is computed from a model (by default in
@@ -136,6 +137,29 @@ def load_causal_lm(
             "or a transformers PretrainedConfig."
         )
     return AutoModelForCausalLM.from_pretrained(source, revision=revision, **kwargs)
+
+
+def recompute_nonpersistent_buffers(model: torch.nn.Module, device: torch.device) -> None:
+    """Rebuild the non-persistent buffers (e.g. rotary ``inv_freq``) of a model built on the meta
+    device, which neither ``load_state_dict`` nor ``to_empty`` fills, from a fresh CPU instance of
+    the owning module built from its config.
+
+    Raises:
+        ValueError: when a module with non-persistent buffers holds no transformers config.
+    """
+    for module in model.modules():
+        names = getattr(module, "_non_persistent_buffers_set", set())
+        if not names:
+            continue
+        config = getattr(module, "config", None)
+        if not isinstance(config, PretrainedConfig):
+            raise ValueError(
+                f"recompute_nonpersistent_buffers cannot rebuild the non-persistent buffers {sorted(names)} of "
+                f"{type(module).__name__}; expected the module to hold a transformers config."
+            )
+        fresh = type(module)(config)
+        for name in names:
+            module.register_buffer(name, getattr(fresh, name).to(device), persistent=False)
 
 
 def position_ids_from_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:

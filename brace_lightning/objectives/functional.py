@@ -37,7 +37,8 @@ import torch
 from brace_lightning.objectives.base import ObjectiveOutput
 
 MAX_LOG_RATIO = 20.0
-"""Log-ratios are clamped to ±MAX_LOG_RATIO before exp."""
+"""Every log-ratio of the package is clamped to ±MAX_LOG_RATIO before exp (the kernels here and the
+trainer's importance weights), so finite log-probs never give an inf ratio."""
 
 _DIFFERENTIABLE = frozenset({"logprobs", "values"})
 

@@ -21,49 +21,9 @@ from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.tasks.base import Prompt, RewardFunction
+from brace_lightning.tasks.base import Prompt, RewardFunction, encode_prompts
 
 logger = logging.getLogger(__name__)
-
-
-def uses_chat_template(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> bool:
-    """Whether ``prompt`` is rendered with the tokenizer's chat template.
-
-    On when the tokenizer has a template, unless the prompt's source turned it off
-    (``prompt.metadata["chat_template"] is False``); a source that asks for it (``True``) with a
-    tokenizer that has none gets a ``ValueError``.
-    """
-    wanted = prompt.metadata.get("chat_template")
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if wanted is True and not has_template:
-        raise ValueError(
-            "chat_template=True, but the tokenizer has no chat template; expected an instruction "
-            "model's tokenizer, or chat_template=None/False for plain text prompts."
-        )
-    return has_template and wanted is not False
-
-
-def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
-    """Token ids of one prompt: its chat rendering (system message from ``metadata["system"]``,
-    the text as the user turn, the generation prompt appended) when :func:`uses_chat_template`,
-    else the system message, a blank line and the text, with the tokenizer's default special
-    tokens."""
-    system = prompt.metadata.get("system")
-    if not uses_chat_template(tokenizer, prompt):
-        text = f"{system}\n\n{prompt.text}" if system else prompt.text
-        return list(tokenizer(text)["input_ids"])
-    messages = [{"role": "user", "content": prompt.text}]
-    if system:
-        messages.insert(0, {"role": "system", "content": str(system)})
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-def encode_prompts(
-    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
-) -> list[list[int]]:
-    """Token ids of each prompt (:func:`encode_prompt`); every engine samples from these ids."""
-    return [encode_prompt(tokenizer, p) for p in prompts]
 
 
 def collect_rollouts(

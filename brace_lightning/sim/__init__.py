@@ -3,9 +3,10 @@
 Pure math (torch only): :mod:`~brace_lightning.sim.mdp` (the MDP, exact dynamic programming,
 sampling), :mod:`~brace_lightning.sim.policies` (learning sequences, stale and perturbed behavior
 policies), :mod:`~brace_lightning.sim.critic` (a tabular critic fitted to any value target).
+The closed-loop learner that trains an actor and critics on this MDP with the project's estimators,
+objectives and metrics sits above them: :mod:`brace_lightning.closed_loop`.
 """
 
-from brace_lightning.sim.closed_loop import ClosedLoopConfig, VersionLog, run_closed_loop
 from brace_lightning.sim.critic import CriticFit, ValueTargetFn, fit_critic
 from brace_lightning.sim.mdp import (
     CountingMDP,
@@ -26,7 +27,6 @@ from brace_lightning.sim.policies import (
 )
 
 __all__ = [
-    "ClosedLoopConfig",
     "CountingMDP",
     "CriticFit",
     "StalePair",
@@ -42,7 +42,5 @@ __all__ = [
     "sample",
     "stale_pair",
     "state_values",
-    "run_closed_loop",
     "uniform_logits",
-    "VersionLog",
 ]

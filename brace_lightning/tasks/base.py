@@ -10,16 +10,22 @@ can select a user's own subclass with ``class_path``::
 
 Reward functions see the decoded completion text (special tokens removed) and the :class:`Prompt`
 it answers; they return a float and never see token ids, so the same function serves every engine.
+
+:func:`encode_prompt` turns a :class:`Prompt` into the token ids every engine samples from (and the
+supervised warm start trains on), so a prompt is encoded the same way everywhere.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True)
@@ -28,7 +34,7 @@ class Prompt:
 
     Args:
         text: what the policy is conditioned on: tokenized as is, or as the user turn of the
-            tokenizer's chat template when it has one (see ``rollout.collect.encode_prompt``).
+            tokenizer's chat template when it has one (see :func:`encode_prompt`).
         answer: the reference final answer the verifier checks against.
         metadata: anything else the task wants to keep (operands, the reference solution, ...);
             ``"system"`` is the chat's system message and ``"chat_template"`` (True/False)
@@ -38,6 +44,46 @@ class Prompt:
     text: str
     answer: str
     metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def uses_chat_template(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> bool:
+    """Whether ``prompt`` is rendered with the tokenizer's chat template.
+
+    On when the tokenizer has a template, unless the prompt's source turned it off
+    (``prompt.metadata["chat_template"] is False``); a source that asks for it (``True``) with a
+    tokenizer that has none gets a ``ValueError``.
+    """
+    wanted = prompt.metadata.get("chat_template")
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if wanted is True and not has_template:
+        raise ValueError(
+            "chat_template=True, but the tokenizer has no chat template; expected an instruction "
+            "model's tokenizer, or chat_template=None/False for plain text prompts."
+        )
+    return has_template and wanted is not False
+
+
+def encode_prompt(tokenizer: PreTrainedTokenizerBase, prompt: Prompt) -> list[int]:
+    """Token ids of one prompt: its chat rendering (system message from ``metadata["system"]``,
+    the text as the user turn, the generation prompt appended) when :func:`uses_chat_template`,
+    else the system message, a blank line and the text, with the tokenizer's default special
+    tokens."""
+    system = prompt.metadata.get("system")
+    if not uses_chat_template(tokenizer, prompt):
+        text = f"{system}\n\n{prompt.text}" if system else prompt.text
+        return list(tokenizer(text)["input_ids"])
+    messages = [{"role": "user", "content": prompt.text}]
+    if system:
+        messages.insert(0, {"role": "system", "content": str(system)})
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def encode_prompts(
+    tokenizer: PreTrainedTokenizerBase, prompts: Sequence[Prompt]
+) -> list[list[int]]:
+    """Token ids of each prompt (:func:`encode_prompt`); every engine samples from these ids."""
+    return [encode_prompt(tokenizer, p) for p in prompts]
 
 
 class PromptSource(ABC):

@@ -3,9 +3,12 @@
 RL from a randomly initialised tiny model never sees a reward, so the quickstart first teaches the
 answer format with a few hundred steps of next-token prediction on reference solutions. The loss
 covers the completion tokens and the closing eos only (the prompt is context, as in RL); prompts are
-encoded like the rollouts' (``rollout.collect.encode_prompt``: the chat template when the tokenizer
-has one), so an instruction model learns the format in the context it will answer in. A plain
-torch loop: AdamW, gradient clipping, a short linear warmup then cosine decay to 10% of ``lr``.
+encoded like the rollouts' (``tasks.base.encode_prompt``: the chat template when the tokenizer has
+one), so an instruction model learns the format in the context it will answer in. A plain torch
+loop: AdamW, gradient clipping, a short linear warmup then cosine decay to 10% of ``lr``.
+
+A training loop of its own, so it sits with the orchestration (next to ``callbacks.py``, whose
+:class:`~brace_lightning.callbacks.SupervisedWarmStart` runs it), above the models it trains.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
-from brace_lightning.models.critic import ValueModel
-from brace_lightning.rollout.collect import encode_prompt
-from brace_lightning.tasks.base import Prompt
+from brace_lightning.models.critic import ValueModel, init_value_head
+from brace_lightning.tasks.base import Prompt, encode_prompt
 
 IGNORE_INDEX = -100
 
@@ -157,8 +159,8 @@ def copy_backbone_to_critic(
 
     In place, on unsharded modules (no copy of the actor is made, so the critic keeps its own
     storage, device and parallel wrapping-to-be). The head is drawn as :class:`ValueModel` draws it
-    (normal weights of std ``head_init_std``, zero bias), seeded by ``seed``, leaving the global RNG
-    untouched.
+    (:func:`~brace_lightning.models.critic.init_value_head`) from the global generator seeded with
+    ``seed``, which is restored afterwards (the CPU one; ``torch.manual_seed`` also reseeds CUDA's).
     """
     base = getattr(actor, "base_model", None)
     if base is None or base is actor:
@@ -168,10 +170,9 @@ def copy_backbone_to_critic(
         )
     critic.backbone.load_state_dict(base.state_dict())
     head = critic.value_head
-    with torch.random.fork_rng(devices=[]), torch.no_grad():
+    with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        torch.nn.init.normal_(head.weight, std=head_init_std)
-        torch.nn.init.zeros_(head.bias)
+        init_value_head(head.weight, head.bias, std=head_init_std)
 
 
 def broadcast_from_rank_zero(*modules: torch.nn.Module) -> None:

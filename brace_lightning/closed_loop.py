@@ -28,6 +28,9 @@ sampler, the exact dynamic programs and the KL; the drift's scale is solved on t
 (occupancy > 1e-14) by a safeguarded s ← s·√(KL*/KL(s)) iteration (KL ≈ ½ s² Var_π(ξ) for small s)
 to 0.1% of the requested KL. A 200-version T = 1024 run takes 43 s on one idle core (about a
 minute on a busy one); T = 256 takes 0.07 s per version.
+
+It lives above ``sim/`` (pure math) because it composes it with the estimators, the objectives and
+the β metric (a torchmetrics ``Metric``), as the trainer composes the models.
 """
 
 from __future__ import annotations

@@ -1,0 +1,100 @@
+"""The actor and the critic of a run, built whole or, for FSDP2's meta-device init, empty.
+
+Three cases (``docs/fsdp.md``):
+
+- the usual one: the actor loaded (or the tiny model built from ``seed``) and the critic built from
+  it (its backbone copied with ``critic_from_actor``, its value head drawn from ``seed + 1``);
+- ``fsdp_meta_init`` with a checkpoint folder: both on the meta device; ``configure_model`` later
+  reads each rank's shards from the folder's safetensors (nothing is read here);
+- ``fsdp_meta_init`` with a random model: built as usual, its full state kept, then both replaced by
+  meta-device models, so that the sharded run starts from exactly the usual construction's values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from transformers import AutoConfig, PreTrainedTokenizerBase
+
+from brace_lightning.models.critic import ValueModel, critic_seed
+from brace_lightning.models.meta_init import empty_models, materialise_and_fill
+from brace_lightning.models.parallelize import mixed_precision_dtypes, parallelize
+from brace_lightning.models.policy import recompute_nonpersistent_buffers
+from brace_lightning.models.sources import TINY, load_actor
+
+
+@dataclass
+class MetaFill:
+    """What ``configure_model`` fills meta-built models from: a checkpoint ``folder`` or the full
+    ``states`` (actor, critic) of a random model; ``seed`` draws the critic's value head."""
+
+    folder: str | None
+    states: tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]] | None
+    seed: int
+
+    def fill(self, actor: nn.Module, critic: ValueModel, device: torch.device) -> None:
+        """Allocate this rank's shards of the sharded ``actor`` and ``critic`` and fill them."""
+        materialise_and_fill(
+            actor, critic, device, folder=self.folder, states=self.states, seed=self.seed
+        )
+        self.states = None  # the full copies are no longer needed
+
+
+def build_actor_critic(
+    actor: str,
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    hidden_size: int,
+    num_layers: int,
+    seed: int,
+    critic_from_actor: bool,
+    meta_init: bool,
+) -> tuple[nn.Module, ValueModel, MetaFill | None]:
+    """``(actor, critic, meta)``: the models in training mode, and with ``meta_init`` what
+    ``configure_model`` fills them from (else None)."""
+    if meta_init and actor != TINY:  # a checkpoint folder: nothing is read here
+        policy, critic = empty_models(AutoConfig.from_pretrained(actor))
+        return policy, critic, MetaFill(actor, None, critic_seed(seed))
+    policy = load_actor(
+        actor, tokenizer=tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed
+    )
+    critic = ValueModel.from_actor(policy, copy_weights=critic_from_actor, seed=critic_seed(seed))
+    meta = None
+    if meta_init:  # random: the usual construction's exact values, sliced later
+        meta = MetaFill(None, (policy.state_dict(), critic.state_dict()), critic_seed(seed))
+        policy, critic = empty_models(policy.config)
+    # loaders return eval mode; Lightning expects training mode at fit start
+    return policy.train(), critic.train(), meta
+
+
+def shard_actor_critic(
+    actor: nn.Module,
+    critic: ValueModel,
+    reference: nn.Module | None,
+    mesh: DeviceMesh,
+    device: torch.device,
+    *,
+    meta: MetaFill | None,
+    activation_checkpointing: bool,
+    mixed_precision: str,
+    cpu_offload: bool,
+) -> None:
+    """FSDP2 for the actor, the critic and the frozen ``reference`` policy (sharded like the actor,
+    so that capturing it copies shard to shard; no activation checkpointing: no backward), then
+    meta-built models allocated and filled from ``meta`` (the reference only allocated: its values
+    come from the actor at the first step, or from the checkpoint) on this rank's ``device``."""
+    param_dtype, reduce_dtype = mixed_precision_dtypes(mixed_precision, mesh.device_type)
+    policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
+    for model in (actor, critic):
+        parallelize(model, mesh, activation_checkpointing=activation_checkpointing, **policy)
+    if reference is not None:
+        parallelize(reference, mesh, **policy)
+    if any(p.is_meta for p in actor.parameters()):
+        assert meta is not None  # meta-built only with fsdp_meta_init
+        meta.fill(actor, critic, device)
+    if reference is not None and any(p.is_meta for p in reference.parameters()):
+        reference.to_empty(device=device)
+        recompute_nonpersistent_buffers(reference, device)

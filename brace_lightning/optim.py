@@ -1,0 +1,57 @@
+"""The PPO update's optimizer plumbing: default optimizers, one clipped step, schedulers by network.
+
+The module has two optimizers (actor, critic) under manual optimization; every minibatch steps the
+critic's and, after the critic warm-up, the actor's. Each network's gradient norm is clipped on its
+own (``max_grad_norm``), and a network's LR scheduler steps only when its optimizer did.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def adamw(lr: float) -> OptimizerFactory:
+    """AdamW at ``lr`` with torch's other defaults (the paper's actor 1e-6 / critic 1e-5)."""
+
+    def build(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(params, lr=lr)
+
+    return build
+
+
+def clipped_step(
+    model: nn.Module, optimizer: Any, max_grad_norm: float | None, device: torch.device
+) -> torch.Tensor:
+    """Clip ``model``'s gradient norm to ``max_grad_norm`` (None: no clipping), step ``optimizer``
+    and zero the gradients; the gradient norm before clipping (0 when no parameter has one)."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.zeros((), device=device)
+    if params:
+        max_norm = math.inf if max_grad_norm is None else max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+        # FSDP2: the norm of DTensor gradients is a replicated DTensor (the global norm).
+        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return norm
+
+
+def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
+    """The LR schedulers of ``module``'s (actor, critic) optimizers; None where there is none."""
+    schedulers = module.lr_schedulers()
+    if schedulers is None:
+        return None, None
+    if not isinstance(schedulers, list):
+        schedulers = [schedulers]
+    by_opt = {id(s.optimizer): s for s in schedulers}
+    actor_opt, critic_opt = module.optimizers()
+    return by_opt.get(id(actor_opt.optimizer)), by_opt.get(id(critic_opt.optimizer))

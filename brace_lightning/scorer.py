@@ -1,0 +1,123 @@
+"""Forwards of a rollout batch, micro-batch by micro-batch, on packed or padded rows.
+
+The PPO update reads log-probs of several actor-shaped models (the actor, the EWMA and reference
+copies) and the critic's values over the same rows. :class:`Scorer` owns the two decisions that
+shape those forwards:
+
+- the micro-batch plan (``models/microbatch.py``): rows sorted by length under ``micro_batch_size``
+  and ``max_tokens_per_micro_batch``, and, under data parallelism, grown to the largest count of
+  any rank (a ``reduce_max`` over ranks, handed in by the caller);
+- packing (``models/packing.py``), decided once by :meth:`Scorer.prepare` (the LightningModule's
+  ``configure_model``): ``pack_sequences`` and both the actor and the critic can pack. Preparing
+  switches an SDPA model to row-by-row attention; a model that cannot pack makes it log one
+  sentence and keep padded rows, so the token budget always counts what is computed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from brace_lightning.models.microbatch import MicroBatch, equalize, plan_micro_batches, score_rows
+from brace_lightning.models.packing import packed_token_logprobs, packed_values, prepare_packing
+from brace_lightning.models.policy import token_logprobs
+from brace_lightning.rollout.types import RolloutBatch
+
+
+class Scorer:
+    """Micro-batched forwards of actor-shaped models and the critic.
+
+    Args:
+        micro_batch_size: rows per forward/backward (None = the whole minibatch).
+        max_tokens: padded tokens per forward/backward, or real tokens when packed (None = no budget).
+        pack_sequences: run forwards on packed rows where both models can.
+    """
+
+    def __init__(
+        self, *, micro_batch_size: int | None, max_tokens: int | None, pack_sequences: bool
+    ) -> None:
+        self.micro_batch_size = micro_batch_size
+        self.max_tokens = max_tokens
+        self.pack_sequences = pack_sequences
+        self.packed: bool | None = None  # decided by prepare()
+
+    def prepare(self, actor: nn.Module, critic: nn.Module, copies: Iterable[nn.Module]) -> None:
+        """Decide packing once (later calls change nothing) and make ``copies`` of the actor
+        (EWMA, reference) attend like it."""
+        if self.packed is not None:
+            return
+        self.packed = self.pack_sequences
+        for model in (actor, critic) if self.pack_sequences else ():
+            problem = prepare_packing(model)  # runs a probe forward
+            if isinstance(model, FSDPModule):
+                model.reshard()  # back to shards only, as configure_model left it
+            if problem is not None:
+                rank_zero_warn(
+                    f"pack_sequences=True: the {type(model).__name__} cannot run on packed "
+                    f"rows ({problem}); every forward uses padded rows."
+                )
+                self.packed = False
+                break
+        for copy_ in copies:
+            copy_.config._attn_implementation = actor.config._attn_implementation
+
+    def _is_packed(self) -> bool:
+        if self.packed is None:
+            raise RuntimeError(
+                "Scorer.prepare must run before the first forward (the LightningModule's "
+                "configure_model calls it)."
+            )
+        return self.packed
+
+    def plan(
+        self,
+        attention_mask: torch.Tensor,
+        reduce_max: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> list[MicroBatch]:
+        """Micro-batches of a minibatch's ``[B, T]`` rows; with ``reduce_max`` (the maximum over
+        data-parallel ranks) as many as on the rank with the most."""
+        plan = plan_micro_batches(
+            attention_mask,
+            max_rows=self.micro_batch_size,
+            max_tokens=self.max_tokens,
+            packed=self._is_packed(),
+        )
+        if reduce_max is not None:
+            count = reduce_max(torch.tensor(float(len(plan)), device=attention_mask.device))
+            plan = equalize(plan, int(count), attention_mask)
+        return plan
+
+    def logprobs(
+        self, model: nn.Module, ids: torch.Tensor, attn: torch.Tensor, temperature: float
+    ) -> torch.Tensor:
+        """``[n, w]`` log-probs of one micro-batch's tokens under ``model``."""
+        logprobs = packed_token_logprobs if self._is_packed() else token_logprobs
+        return logprobs(model, ids, attn, temperature=temperature)[0]
+
+    def values(self, critic: nn.Module, ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """``[n, w]`` critic outputs of one micro-batch."""
+        return packed_values(critic, ids, attn) if self._is_packed() else critic(ids, attn)
+
+    def score(
+        self, model: nn.Module, batch: RolloutBatch, plan: list[MicroBatch], temperature: float
+    ) -> torch.Tensor:
+        """``[B, T]`` log-probs of ``batch`` under ``model`` (call without grad)."""
+
+        def logprobs(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+            return self.logprobs(model, ids, attn, temperature)
+
+        return score_rows(logprobs, batch.input_ids, batch.attention_mask, plan)
+
+    def score_values(
+        self, critic: nn.Module, batch: RolloutBatch, plan: list[MicroBatch]
+    ) -> torch.Tensor:
+        """``[B, T]`` critic outputs over ``batch`` (call without grad)."""
+
+        def values(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+            return self.values(critic, ids, attn)
+
+        return score_rows(values, batch.input_ids, batch.attention_mask, plan)

@@ -1,0 +1,191 @@
+"""Recorded runs: per-step metrics and final weights of a few short CLI runs, kept bit-identical
+across refactors (torchtitan's rule: a refactor does not change the loss).
+
+Each run is ``brace-lightning fit`` with the shipped recipes and small overrides, in a subprocess,
+with :class:`Recorder` added as a callback: after every rollout step it keeps the deterministic
+logged metrics (losses, gradient norms, rewards, weights statistics, counts — not times, memory or
+throughput), and at the end it hashes every actor and critic tensor (gathered under FSDP2). The
+expected values live in ``tests/data/recorded_runs.json``; after a change that is *meant* to change
+training, re-record them with::
+
+    .venv/bin/python -m tests.recorded_runs --record
+
+and say in the commit why the numbers moved.
+
+Run as ``python -m tests.recorded_runs OUT -- fit ARGS...`` it is the subprocess driver.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch.distributed.tensor import DTensor
+
+REPO = Path(__file__).resolve().parents[1]
+EXPECTED = REPO / "tests" / "data" / "recorded_runs.json"
+
+#: Logged metrics whose value depends on the clock, the machine or the allocator, and the async
+#: producer's progress counters (how far it got ahead of the trainer depends on timing).
+NONDETERMINISTIC = (
+    "time/",
+    "perf/",
+    "memory/",
+    "idle",
+    "tokens_per_s",
+    "tok/s",
+    "data/queue_depth",
+    "data/in_flight",
+    "count/buffered",
+    "count/generated",
+)
+
+#: Shared by every run: short, small batches, logs off; the rest is the recipe's.
+COMMON = (
+    "--trainer.logger=false",
+    "--trainer.enable_progress_bar=false",
+    "--trainer.enable_checkpointing=false",
+    "--trainer.limit_train_batches=4",
+    "--model.critic_warmup_steps=1",
+    "--data.prompts_per_step=4",
+    "--data.samples_per_prompt=4",
+    "--data.engine.init_args.max_new_tokens=16",
+)
+WARM_START = (
+    "--trainer.callbacks.init_args.num_pairs=256",
+    "--trainer.callbacks.init_args.steps=3",
+)
+
+#: name -> CLI arguments after ``fit`` (configs relative to the repository root).
+RUNS: dict[str, tuple[str, ...]] = {
+    # the quickstart: packed rows, BRACE, PPO clip, lag 0
+    "quickstart": ("--config", "configs/quickstart.yaml", *WARM_START, *COMMON),
+    # padded micro-batches, a lagged engine, PPO-EWMA and a KL-to-reference loss term
+    "padded_lag_ewma_kl": (
+        "--config",
+        "configs/quickstart.yaml",
+        "--config",
+        "configs/objectives/ewma.yaml",
+        *WARM_START,
+        *COMMON,
+        "--model.pack_sequences=false",
+        "--model.micro_batch_size=3",
+        "--model.kl_coef=0.05",
+        "--data.lag=1",
+        "--data.max_staleness=1",
+    ),
+    # V-trace with the KL as a reward penalty
+    "vtrace_kl_reward": (
+        "--config",
+        "configs/quickstart.yaml",
+        "--config",
+        "configs/targets/vtrace.yaml",
+        *WARM_START,
+        *COMMON,
+        "--model.kl_coef=0.05",
+        "--model.kl_mode=reward",
+        "--model.kl_estimator=k1",
+    ),
+    # a producer process one version behind (fixed lag: reproducible)
+    "async_fixed": (
+        "--config",
+        "configs/quickstart.yaml",
+        "--config",
+        "configs/async.yaml",
+        *WARM_START,
+        *COMMON,
+        "--data.max_staleness=1",
+        "--data.lag_mode=fixed",
+    ),
+    # FSDP2 over two gloo ranks, weights published in buckets
+    "fsdp_2rank": (
+        "--config",
+        "configs/quickstart.yaml",
+        "--config",
+        "configs/fsdp/cpu_2proc.yaml",
+        "--trainer.callbacks=[]",
+        *COMMON,
+        "--data.prompts_per_step=2",
+        "--model.weight_sync_bucket_mb=1",
+    ),
+}
+
+
+class Recorder(pl.Callback):
+    """Writes ``OUT/record.json`` (global rank 0): deterministic metrics per rollout step and a
+    SHA-256 of every actor and critic tensor at the end of ``fit``."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.steps: list[dict[str, float]] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        metrics = {
+            name: float(value)
+            for name, value in trainer.callback_metrics.items()
+            if not any(part in name for part in NONDETERMINISTIC) and not name.endswith("_s")
+        }
+        self.steps.append(dict(sorted(metrics.items())))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        digests = {}
+        for name in ("actor", "critic"):
+            digest = hashlib.sha256()
+            model: torch.nn.Module = getattr(pl_module, name)
+            for key, tensor in sorted(model.state_dict().items()):
+                full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+                digest.update(key.encode())
+                digest.update(full.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digests[name] = digest.hexdigest()
+        if trainer.global_rank == 0:
+            self.out.mkdir(parents=True, exist_ok=True)
+            record = {"steps": self.steps, "weights_sha256": digests}
+            (self.out / "record.json").write_text(json.dumps(record, indent=1))
+
+
+def run(name: str, out: Path) -> dict[str, Any]:
+    """Run recorded run ``name`` in a subprocess; its record."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env.pop("PL_GLOBAL_SEED", None)
+    command = [sys.executable, "-m", "tests.recorded_runs", str(out), "--", "fit", *RUNS[name]]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(
+            f"recorded run {name} failed:\n{done.stdout[-3000:]}{done.stderr[-6000:]}"
+        )
+    return json.loads((out / "record.json").read_text())
+
+
+def main() -> None:
+    argv = sys.argv[1:]
+    if argv[:1] == ["--record"]:
+        import tempfile
+
+        records = {}
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in argv[1:] or RUNS:
+                records[name] = run(name, Path(tmp) / name)
+                print(f"recorded {name}", flush=True)
+        old = json.loads(EXPECTED.read_text()) if EXPECTED.exists() else {}
+        EXPECTED.write_text(json.dumps({**old, **records}, indent=1, sort_keys=True) + "\n")
+        return
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    cut = argv.index("--")
+    args = parser.parse_args(argv[:cut])
+    torch.set_num_threads(1)
+    from brace_lightning.cli import run as cli_run
+
+    cli_run(argv[cut + 1 :], trainer_defaults={"callbacks": [Recorder(args.out)]})
+
+
+if __name__ == "__main__":
+    main()
