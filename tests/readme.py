@@ -1,10 +1,12 @@
-"""README.md's commands and code snippets, read the way a reader copies them (the one parser the tests
-that run README lines share).
+"""The commands and code snippets of README.md and docs/*.md, read the way a reader copies them (the
+one parser the tests that run documented lines share).
 
 A command is a line of a shell code block (```bash, ```sh, ```shell, ```console or a fence without a
 language) with its ``\\`` continuations joined and comments dropped, or an inline code span in the
-prose that starts like a command (``.venv/bin/...``, ``bash ...``, ``pip ...``,
-``brace-lightning ...``). Other fenced blocks (```python, ```text, ```bibtex) are not commands.
+prose that starts like a command (``.venv/bin/...``, ``bash ...``, ``pip ...``, ``python ...``,
+``brace-lightning ...``, ``nice ...``, optionally after ``NAME=value`` environment settings). Other
+fenced blocks (```python, ```text, ```bibtex) are not commands; ```text holds usage forms with
+placeholders, which cannot run as written.
 """
 
 from __future__ import annotations
@@ -15,18 +17,22 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
+DOCS = REPO / "docs"
 SHELL_LANGUAGES = frozenset({"", "bash", "sh", "shell", "console"})
-INLINE_COMMAND_PREFIXES = (".venv/bin/", "bash ", "sh ", "pip ", "brace-lightning ")
+INLINE_COMMAND = re.compile(
+    r"(?:[A-Z_][A-Z0-9_]*=\S+ )*(?:\.venv/bin/|bash |sh |pip |python |brace-lightning |nice )"
+)
 _FENCE = re.compile(r"^\s*```\s*([\w+-]*)")
 
 
 @dataclass(frozen=True)
 class Command:
-    """One README command: the line as it would be pasted into a shell, and where it is."""
+    """One documented command: the line as it would be pasted into a shell, and where it is."""
 
     line: str
-    lineno: int  # README.md line the command starts on (1-based)
+    lineno: int  # line of its file the command starts on (1-based)
     inline: bool  # an inline code span in the prose, not a code-block line
+    file: str = "README.md"  # its file, relative to the repository
 
 
 @dataclass(frozen=True)
@@ -99,11 +105,12 @@ def _without_blocks(text: str) -> str:
     return "\n".join(lines)
 
 
-def readme_commands(text: str | None = None) -> list[Command]:
-    """Every command in README.md (or ``text``): code-block lines first, then inline commands."""
+def readme_commands(text: str | None = None, file: str = "README.md") -> list[Command]:
+    """Every command in README.md (or ``text``, from ``file``): code-block lines first, then inline
+    commands."""
     text = README.read_text() if text is None else text
     commands = [
-        Command(line, lineno, inline=False)
+        Command(line, lineno, inline=False, file=file)
         for block in fenced_blocks(text)
         if block.language in SHELL_LANGUAGES
         for lineno, line in command_lines(block.body, block.lineno + 1)
@@ -111,9 +118,30 @@ def readme_commands(text: str | None = None) -> list[Command]:
     prose = _without_blocks(text)
     for span in re.finditer(r"`([^`]+)`", prose):
         line = " ".join(span.group(1).split())
-        if line.startswith(INLINE_COMMAND_PREFIXES):
-            commands.append(Command(line, prose.count("\n", 0, span.start()) + 1, inline=True))
+        if INLINE_COMMAND.match(line):
+            lineno = prose.count("\n", 0, span.start()) + 1
+            commands.append(Command(line, lineno, inline=True, file=file))
     return commands
+
+
+def docs_commands() -> list[Command]:
+    """Every command in docs/*.md, file by file in name order."""
+    return [
+        command
+        for path in sorted(DOCS.glob("*.md"))
+        for command in readme_commands(path.read_text(), str(path.relative_to(REPO)))
+    ]
+
+
+def indented_commands(text: str) -> list[int]:
+    """Lines of an indented (unfenced) code block that start like a command: the parser does not
+    read such blocks, so documented commands must be fenced."""
+    prose = _without_blocks(text).splitlines()
+    return [
+        number
+        for number, line in enumerate(prose, start=1)
+        if line.startswith("    ") and INLINE_COMMAND.match(line.strip())
+    ]
 
 
 def python_snippets(text: str | None = None) -> list[Block]:

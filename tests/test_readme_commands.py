@@ -1,12 +1,23 @@
-"""Every command in README.md runs as written (project rule), each as its own test case.
+"""Every command in README.md and docs/*.md runs as written (project rule), each as its own test case.
 
-The commands (tests/readme.py: shell code-block lines and inline commands in the prose) run
-literally through ``bash -c`` from a working directory that mirrors the repository (its tracked
-top-level entries symlinked, ``.venv`` the running environment), so that runs, checkpoints and
-exports land in a temporary folder. Only a size limit is appended: two rollout steps of 2 prompts x 2
-samples of at most 8 tokens, and a 2-step warm start where the recipe has one. Each command belongs
-to exactly one class below, which says how it is run and what it must leave behind; a README
-command that no class covers fails, so no command can be added untested.
+The commands (tests/readme.py: shell code-block lines and inline commands in the prose; a line
+that appears in several places is one case) run literally through ``bash -c`` from a working
+directory that mirrors the repository (its tracked top-level entries symlinked, ``.venv`` the
+running environment), so that runs, checkpoints and exports land in a temporary folder. Only a size
+limit is appended: two rollout steps of 2 prompts x 2 samples of at most 8 tokens, and a 2-step warm
+start where the recipe has one. Each command belongs to exactly one class below, which says how it
+is run and what it must leave behind; a command that no class covers fails, so no command can be
+added to README or docs untested (and a docs command in an unfenced, indented block fails too).
+
+Benchmark commands (docs/benchmarks.md and the results pages give ~40, most of them hours long)
+stay within the suite's time budget this way: every one has its arguments parsed by the script's
+own argparse parser (in process, nothing run), and the first command of each script, in the order
+README then docs/*.md by name, also runs with that script's quick arguments (BENCHMARK_QUICK_ARGS,
+appended so they win) and must print a Markdown table. Scripts whose quick run would still take
+minutes, or needs what this machine lacks, are parse-checked only; BENCHMARK_PARSE_ONLY names each
+with its reason and the test that covers its code instead. Long scripts that are not benchmarks
+(scripts/sim_results.sh, about two hours) are checked without running: what they would run exists
+and loads. GPU commands run only where CUDA is available, as README's always have.
 
 Scripts that set up ``.venv`` (quickstart.sh, gpu_check.sh) run from copies whose setup scripts
 (setup.sh, install_vllm.sh) are stand-ins that only check the environment: the suite runs in the
@@ -16,9 +27,13 @@ editable install there.
 
 from __future__ import annotations
 
+import argparse
 import ast
 import builtins
+import contextlib
+import importlib
 import importlib.util
+import io
 import os
 import platform
 import re
@@ -36,8 +51,17 @@ import pytest
 import torch
 import yaml
 
+from brace_lightning import sweep
 from brace_lightning.logs import read_scalars
-from tests.readme import REPO, Command, python_snippets, readme_commands, strip_comment
+from tests.readme import (
+    REPO,
+    Command,
+    docs_commands,
+    indented_commands,
+    python_snippets,
+    readme_commands,
+    strip_comment,
+)
 
 VENV = Path(sys.executable).parents[1]
 STEPS = 2
@@ -54,6 +78,25 @@ BENCHMARK_QUICK_ARGS = {
     "critic_bias": "--horizons 16 --staleness 0 2 --tokens 2048 --threads 1",
     "long_responses": "--layers 1 --vocab 1000 --lengths 16 --batch-lengths 8 64 --max-tokens 96 "
     "--repeats 1 --threads 1 --ladder-start 32 --max-length 64 --memory-gib 8",
+    "value_targets": "--repeats 1 --loop-repeats 1 --shapes 2x128 --threads 1",
+    "train_step": "--steps 2 --repeats 1 --threads 1",
+    "embedded_decoding": "--repeats 1 --sizes 32x1 --tokens 8",
+    "weight_handoff": "--repeats 1 --sizes 64x1",
+    "objectives_grid": "--seeds 0 --steps 2 --objectives ppo --targets gae --warm-start-steps 2 "
+    "--last 1",
+}
+# Benchmarks whose documented commands are parse-checked only: why, and what runs their code.
+BENCHMARK_PARSE_ONLY = {
+    "learning_curves": "three fits after the quickstart's warm start: about two minutes at 2 steps; "
+    "the fits are README's quickstart fits",
+    "async_speedup": "a producer process per configuration row: about two minutes at 2 steps; "
+    "tests/test_async.py runs the producer",
+    "fsdp_memory": "2 gloo ranks per path at the real 151,936-token vocabulary; "
+    "tests/test_fsdp_memory.py runs its rank measurement",
+    "lm_staleness": "a grid of fits after the recipe's warm start; tests/test_lm_staleness.py "
+    "covers its cells, resume and aggregation",
+    "gpu_check": "vLLM's start alone takes a minute on CPU; tests/test_vllm.py asserts the log-prob "
+    "gaps it prints",
 }
 # Scripts replaced by a stand-in in the working directory (see the module docstring).
 SETUP_SCRIPTS = ("setup.sh", "install_vllm.sh")
@@ -293,12 +336,95 @@ def run_gpu(line: str, workdir: Path) -> None:
         assert "|" in out, out  # the check prints its tables
 
 
+class _Parsed(Exception):
+    """Raised in place of running a benchmark once its parser has read the arguments."""
+
+    def __init__(self, namespace: argparse.Namespace) -> None:
+        super().__init__(namespace)
+        self.namespace = namespace
+
+
+def _benchmark(line: str) -> tuple[str, list[str]]:
+    """(script name, its arguments) of a benchmark line, its environment settings and ``nice``
+    dropped."""
+    words = _words(line)
+    while re.fullmatch(r"[A-Z_]\w*=\S*", words[0]):
+        words = words[1:]
+    if words[0] == "nice":
+        words = words[3:]  # nice -n N
+    assert words[0] == ".venv/bin/python", line
+    if words[1] == "-m":
+        return words[2].removeprefix("benchmarks."), words[3:]
+    return Path(words[1]).stem, words[2:]
+
+
+def parse_benchmark_arguments(line: str) -> argparse.Namespace:
+    """The line's arguments as the benchmark's own argparse parser reads them, nothing run; a
+    refused argument fails with argparse's message."""
+    name, argv = _benchmark(line)
+    module = importlib.import_module(f"benchmarks.{name}")
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_only(parser, args=None, namespace=None):
+        raise _Parsed(parse_args(parser, args, namespace))
+
+    stderr = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stderr(stderr):
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+        patch.setattr(sys, "argv", [f"benchmarks/{name}.py", *argv])
+        try:
+            module.main()
+        except _Parsed as parsed:
+            return parsed.namespace
+        except SystemExit as exit:
+            pytest.fail(f"`{line}`: the parser refuses it (exit {exit.code}): {stderr.getvalue()}")
+    pytest.fail(f"`{line}`: benchmarks/{name}.py main() returned without parsing arguments")
+
+
+def _benchmark_runs(command: Command) -> bool:
+    """Whether this benchmark line is its script's quick run (the script's first documented line)."""
+    name, _ = _benchmark(command.line)
+    first = next(c for c in COMMANDS if kind_of(c) is BENCHMARK and _benchmark(c.line)[0] == name)
+    return name in BENCHMARK_QUICK_ARGS and first == command
+
+
 def run_benchmark(line: str, workdir: Path) -> None:
-    """Runs the benchmark with its quick-mode arguments; it prints a Markdown table."""
-    module = re.search(r"benchmarks[./](\w+)", line).group(1)
-    assert module in BENCHMARK_QUICK_ARGS, f"add {module}'s quick arguments to BENCHMARK_QUICK_ARGS"
-    out = run(line, workdir, *BENCHMARK_QUICK_ARGS[module].split()).stdout
-    assert re.search(r"^\|---", out, re.MULTILINE), out
+    """Parses the line's arguments with the script's parser; the script's first documented line
+    also runs with its quick-mode arguments and prints a Markdown table."""
+    name, _ = _benchmark(line)
+    assert name in BENCHMARK_QUICK_ARGS or name in BENCHMARK_PARSE_ONLY, (
+        f"add {name}'s quick arguments to BENCHMARK_QUICK_ARGS (or, with a reason, the script to "
+        "BENCHMARK_PARSE_ONLY)"
+    )
+    parse_benchmark_arguments(line)
+    command = next(c for c in COMMANDS if c.line == line)
+    if _benchmark_runs(command):
+        out = run(line, workdir, *BENCHMARK_QUICK_ARGS[name].split()).stdout
+        assert re.search(r"^\|\s*-{3}", out, re.MULTILINE), out
+
+
+def check_sim_results_script(line: str, workdir: Path) -> None:
+    """``bash scripts/sim_results.sh`` (about two hours) is not run: every grid it runs is a
+    sweeps/sim_*.yaml file (and every such file is run) that the sweep harness loads (its cells,
+    metrics and window), and the figures folder it copies to is the one docs/results.md shows."""
+    text = (REPO / "scripts" / "sim_results.sh").read_text()
+    (loop,) = re.findall(r"^for grid in (.+); do$", text, re.MULTILINE)
+    grids = loop.split()
+    assert sorted(grids) == sorted(p.stem for p in (REPO / "sweeps").glob("sim_*.yaml")), grids
+    assert '.venv/bin/python -m brace_lightning.sweep "sweeps/$grid.yaml"' in text
+    for grid in grids:
+        spec = yaml.safe_load((REPO / "sweeps" / f"{grid}.yaml").read_text())
+        assert sweep.cells(spec), grid
+        sweep.metrics(spec)
+        sweep.window(spec)
+        assert (REPO / "docs" / "figures" / grid / "summary.md").is_file(), grid
+
+
+def check_install_vllm_script(line: str, workdir: Path) -> None:
+    """Not run (it installs packages): it is valid bash, and scripts/test.sh, which the suite's
+    entry point runs, runs it, so it ran before this test did."""
+    subprocess.run(["bash", "-n", str(REPO / "scripts" / "install_vllm.sh")], check=True)
+    assert line in _script_commands((REPO / "scripts" / "test.sh").read_text())
 
 
 def run_notebook_executor(line: str, workdir: Path) -> None:
@@ -361,17 +487,27 @@ KINDS = [
     Kind("usage-form", r"brace-lightning export --ckpt_path CKPT --out DIR", run_usage_template),
     Kind("quickstart-script", r"bash scripts/quickstart\.sh", run_quickstart_script),
     Kind("test-script", r"bash scripts/test\.sh", check_test_script, slow=False),
-    Kind(
+    BENCHMARK := Kind(
         "benchmark",
-        r"(MALLOC_MMAP_THRESHOLD_=\d+ )?\.venv/bin/python (-m benchmarks\.\w+|benchmarks/\w+\.py)"
-        r"( --?[\w-]+( [\w.-]+)*)*",
+        r"([A-Z_]\w*=\S+ )*(nice -n \d+ )?\.venv/bin/python "
+        r"(-m benchmarks\.\w+|benchmarks/\w+\.py)( --?[\w.=-]*( [\w./=-]+)*)*",
         run_benchmark,
     ),
+    Kind("sim-results", r"bash scripts/sim_results\.sh", check_sim_results_script, slow=False),
+    Kind("install-vllm", r"bash scripts/install_vllm\.sh", check_install_vllm_script, slow=False),
     Kind("notebooks", r"\.venv/bin/python scripts/execute_tutorials\.py", run_notebook_executor),
     Kind("server", r"\.venv/bin/(tensorboard|jupyter lab) .*", check_server, slow=False),
     Kind("pip-install", r"pip install -e \S+", check_pip_install, slow=False),
 ]
-COMMANDS = readme_commands()
+
+
+def _distinct(commands: list[Command]) -> list[Command]:
+    """One case per command line: its first place, README first."""
+    seen: set[str] = set()
+    return [c for c in commands if not (c.line in seen or seen.add(c.line))]
+
+
+COMMANDS = _distinct(readme_commands() + docs_commands())
 
 
 def kind_of(command: Command) -> Kind | None:
@@ -385,7 +521,10 @@ def _slug(line: str) -> str:
 
 def _case(command: Command):
     kind = kind_of(command)
-    marks = [pytest.mark.slow] if kind is not None and kind.slow else []
+    slow = kind is not None and kind.slow
+    if kind is BENCHMARK:
+        slow = _benchmark_runs(command)
+    marks = [pytest.mark.slow] if slow else []
     if "configs/vllm.yaml" in command.line:
         marks.append(pytest.mark.vllm)
     return pytest.param(command, id=_slug(command.line), marks=marks)
@@ -394,7 +533,8 @@ def _case(command: Command):
 def test_the_parser_reads_shell_blocks_and_inline_commands_and_flags_unknown_ones() -> None:
     text = "\n".join(
         [
-            "Run `.venv/bin/tensorboard --logdir runs`, not `python -m` or `--data.lag 2`.",
+            "Run `.venv/bin/tensorboard --logdir runs`, not `brace_lightning.sweep` or `--data.lag 2`;",
+            "`MALLOC_ARENA_MAX=2 nice -n 5 .venv/bin/python -m benchmarks.x` is one too.",
             "```bash",
             "# a comment",
             ".venv/bin/brace-lightning fit --config configs/quickstart.yaml \\",
@@ -415,31 +555,51 @@ def test_the_parser_reads_shell_blocks_and_inline_commands_and_flags_unknown_one
     )
     commands = readme_commands(text)
     assert [(c.line, c.lineno, c.inline) for c in commands] == [
-        (".venv/bin/brace-lightning fit --config configs/quickstart.yaml --data.lag 2", 4, False),
-        ('pip install -e ".[datasets]"', 7, False),
-        (".venv/bin/brace-lightning sweep --config sweeps/x.yaml", 16, False),
+        (".venv/bin/brace-lightning fit --config configs/quickstart.yaml --data.lag 2", 5, False),
+        ('pip install -e ".[datasets]"', 8, False),
+        (".venv/bin/brace-lightning sweep --config sweeps/x.yaml", 17, False),
         (".venv/bin/tensorboard --logdir runs", 1, True),
+        ("MALLOC_ARENA_MAX=2 nice -n 5 .venv/bin/python -m benchmarks.x", 2, True),
     ]
     assert [k.name if k else None for k in map(kind_of, commands)] == [
         "fit",
         "pip-install",
         None,  # a README line like this one fails test_readme_command_runs_as_written
         "server",
+        "benchmark",
     ]
 
 
 def test_readme_has_the_commands_this_file_expects() -> None:
-    """The parser sees README's command blocks (guards against a parser that finds nothing)."""
-    kinds = {kind_of(c).name for c in COMMANDS if kind_of(c)}
-    assert {"fit", "validate", "export", "quickstart-script", "test-script"} <= kinds, kinds
-    assert len(COMMANDS) >= 20
+    """The parser sees README's and docs' command blocks (guards against a parser that finds
+    nothing)."""
+    readme = {kind_of(c).name for c in readme_commands() if kind_of(c)}
+    assert {"fit", "validate", "export", "quickstart-script", "test-script"} <= readme, readme
+    assert len(readme_commands()) >= 20
+    docs = [c for c in docs_commands() if kind_of(c) is BENCHMARK]
+    assert {_benchmark(c.line)[0] for c in docs} >= set(BENCHMARK_QUICK_ARGS), docs
+
+
+def test_docs_commands_are_in_fenced_blocks() -> None:
+    """The parser reads fenced blocks only; a command in an indented block would go untested."""
+    for path in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        lines = indented_commands(path.read_text())
+        assert not lines, f"{path.name} lines {lines}: fence these commands as ```bash"
+
+
+def test_a_benchmark_argument_its_parser_refuses_fails_the_parse_check() -> None:
+    """The parse check is not a pass-through: a flag the script lacks fails it, a valid one parses."""
+    parsed = parse_benchmark_arguments(".venv/bin/python -m benchmarks.weight_handoff --repeats 3")
+    assert parsed.repeats == 3
+    with pytest.raises(pytest.fail.Exception, match="unrecognized arguments: --no-such-flag"):
+        parse_benchmark_arguments(".venv/bin/python -m benchmarks.weight_handoff --no-such-flag")
 
 
 @pytest.mark.parametrize("command", [_case(c) for c in COMMANDS])
 def test_readme_command_runs_as_written(command: Command, workdir: Path) -> None:
     kind = kind_of(command)
     assert kind is not None, (
-        f"README.md line {command.lineno}: `{command.line}` is a command no class in "
+        f"{command.file} line {command.lineno}: `{command.line}` is a command no class in "
         f"{Path(__file__).name} covers; add one that runs it (or fence a non-command block as "
         "```text)"
     )
