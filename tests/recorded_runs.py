@@ -156,6 +156,7 @@ def run(name: str, out: Path) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.pop("PL_GLOBAL_SEED", None)
     command = [sys.executable, "-m", "tests.recorded_runs", str(out), "--", "fit", *RUNS[name]]
+    command.append(f"--trainer.default_root_dir={out}")  # config.yaml lands there, not in the repo
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(
