@@ -533,7 +533,7 @@ def test_fsdp_shards_the_reference_and_resumes_it_from_a_sharded_checkpoint(
     )
     (checkpoint,) = ckpt.iterdir()
     saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    embedding = saved["state_dict.reference_actor.model.embed_tokens.weight"]
+    embedding = saved["state_dict.reference.policy.model.embed_tokens.weight"]
     assert len(embedding.chunks) == 2  # one shard per rank, like the actor's
     resumed = _driver(
         tmp_path / "resumed", *_cli(tmp_path, *recipe), meta, f"--ckpt_path={checkpoint}"
