@@ -35,8 +35,8 @@ from brace_lightning.module import BraceModule
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.targets import GAE
-from tests.dist_support import one_process_group
-from tests.parallel_driver import _Repeat
+from tests.support.dist_support import one_process_group
+from tests.support.parallel_driver import _Repeat
 from tests.test_parallel import _cli, _driver
 from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
