@@ -311,7 +311,7 @@ class BraceModule(pl.LightningModule):
         proximal = self.scorer.score(self.actor, batch, plan, temperature)
         require_finite_logprobs(proximal, batch.mask, rollout_step=self.rollout_step)
         old_values = shift_values(self.scorer.score_values(self.critic, batch, plan))
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {} if self.ewma is None else {"time/ewma_forward_ms": 0.0}
         ewma = None
         if self.ewma is not None and self.ewma.ready:
             start = time.perf_counter()
