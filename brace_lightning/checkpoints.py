@@ -16,13 +16,16 @@ not one this program wrote. :func:`check_ckpt_path` is the check ``fit`` and ``v
 traceback that does not name the file, or, for random bytes, torch's advice to weaken
 ``weights_only``).
 
-A sharded checkpoint (``ModelParallelStrategy``, FSDP2) is a folder: its tensors are
-``torch.distributed.checkpoint`` shards, which hold no pickled code, and everything else is in
-``meta.pt``, the file read here.
+A sharded checkpoint (``ModelParallelStrategy``, FSDP2) is a folder: everything but the tensors is
+in ``meta.pt``, read as above; the tensors are ``torch.distributed.checkpoint`` shards, whose index
+``.metadata`` that library reads with plain ``pickle.load``. So the index is unpickled here first
+with only the globals such an index holds (the library's own metadata classes, dtypes, ``torch.Size``,
+paths); any other global is refused before it is called.
 """
 
 from __future__ import annotations
 
+import io
 import pickle
 import re
 import zipfile
@@ -34,6 +37,8 @@ import torch
 
 #: Lightning's metadata file inside a sharded checkpoint folder.
 META_FILE = "meta.pt"
+#: ``torch.distributed.checkpoint``'s index of the shards (a plain pickle).
+SHARD_INDEX_FILE = ".metadata"
 #: Keys every Lightning checkpoint file has (a sharded folder's ``meta.pt`` has no ``state_dict``).
 LIGHTNING_KEYS: tuple[str, ...] = ("pytorch-lightning_version", "state_dict")
 #: ``ckpt_path`` values Lightning resolves itself (``fit``/``validate``): not file names.
@@ -82,6 +87,52 @@ def _read(file: Path, shown: Path) -> Any:
     raise ValueError(f"{where} {reason}; {_EXPECTED}.")
 
 
+class _ShardIndexUnpickler(pickle.Unpickler):
+    """Unpickles a shard index, finding only the globals ``torch.distributed.checkpoint`` writes."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = super().find_class(module, name) if self._allowed(module, name) else None
+        if found is None:
+            raise pickle.UnpicklingError(f"Unsupported global: GLOBAL {module}.{name}")
+        return found
+
+    @staticmethod
+    def _allowed(module: str, name: str) -> bool:
+        if module.startswith("torch.distributed.checkpoint."):
+            return isinstance(getattr(__import__(module, fromlist=[name]), name, None), type)
+        if module == "torch":
+            return isinstance(getattr(torch, name, None), torch.dtype) or name == "Size"
+        return (module, name) in {
+            ("torch.serialization", "_get_layout"),
+            ("pathlib", "PosixPath"),
+            ("pathlib", "WindowsPath"),
+            ("collections", "OrderedDict"),
+        }
+
+
+def _check_shard_index(folder: Path) -> None:
+    """Unpickle ``folder/.metadata`` with :class:`_ShardIndexUnpickler`; ValueError naming it."""
+    file = folder / SHARD_INDEX_FILE
+    where = f"{_describe(folder)} ({SHARD_INDEX_FILE})"
+    if not file.is_file():
+        raise ValueError(
+            f"{_describe(folder)} has {META_FILE} but no {SHARD_INDEX_FILE}; expected a sharded "
+            "checkpoint folder written by ModelParallelStrategy, whole."
+        )
+    try:
+        _ShardIndexUnpickler(io.BytesIO(file.read_bytes())).load()
+    except pickle.UnpicklingError as error:
+        unsafe = _UNSAFE_GLOBAL.search(str(error))
+        if unsafe is None:
+            raise ValueError(f"{where} is damaged; {_EXPECTED}.") from None
+        raise ValueError(
+            f"{where} was refused: its pickle asks to call {unsafe.group(1)}, which a shard index "
+            f"never needs, and nothing in it was run; {_EXPECTED}."
+        ) from None
+    except (EOFError, ValueError, TypeError, AttributeError, ImportError, IndexError):
+        raise ValueError(f"{where} is damaged; {_EXPECTED}.") from None
+
+
 def load_checkpoint(
     ckpt_path: str | Path, *, required: Sequence[str] = LIGHTNING_KEYS
 ) -> dict[str, Any]:
@@ -106,6 +157,7 @@ def load_checkpoint(
                 "checkpoint folder written by ModelParallelStrategy."
             )
         required = [key for key in required if key != "state_dict"]
+        _check_shard_index(path)
     elif path.is_file():
         file = path
     else:

@@ -9,6 +9,7 @@ torch's advice to load it with ``weights_only=False``.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import zipfile
 from collections.abc import Callable
@@ -141,6 +142,45 @@ def test_a_sharded_folder_without_its_metadata_is_refused(tmp_path):
     (tmp_path / "ckpt").mkdir()
     with pytest.raises(ValueError, match=r"is a folder without meta\.pt; expected a sharded"):
         load_checkpoint(tmp_path / "ckpt")
-    (tmp_path / "ckpt" / "meta.pt").write_bytes(b"garbage")
-    with pytest.raises(ValueError, match=r"'.*ckpt' \(meta\.pt\) is not a zip archive"):
-        load_checkpoint(tmp_path / "ckpt")
+    path = sharded(tmp_path)
+    (path / "meta.pt").write_bytes(b"garbage")
+    with pytest.raises(ValueError, match=r"'.*sharded' \(meta\.pt\) is not a zip archive"):
+        load_checkpoint(path)
+
+
+def sharded(folder: Path) -> Path:
+    """A sharded checkpoint folder as ModelParallelStrategy writes it: shards, their index
+    ``.metadata`` (a plain pickle) and ``meta.pt``."""
+    import warnings
+
+    from torch.distributed.checkpoint import save
+
+    path = folder / "sharded"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # no process group: one process writes every shard
+        save(
+            {"state_dict": {"w": torch.ones(3, 2), "h": torch.zeros(2, dtype=torch.bfloat16)}},
+            checkpoint_id=path,
+            no_dist=True,
+        )
+    torch.save({"pytorch-lightning_version": "2.6.0", "hyper_parameters": {}}, path / "meta.pt")
+    return path
+
+
+def test_a_sharded_folder_whose_shard_index_runs_code_is_refused_unrun(tmp_path):
+    """torch.distributed.checkpoint reads ``.metadata`` with plain pickle.load."""
+    path = sharded(tmp_path)
+    assert load_checkpoint(path)["pytorch-lightning_version"] == "2.6.0"
+    marker = tmp_path / "code_ran"
+    (path / ".metadata").write_bytes(pickle.dumps(RunsCode(marker)))
+    with pytest.raises(ValueError) as info:
+        check_ckpt_path(path)
+    assert str(info.value) == (
+        f"ckpt_path={str(path)!r} (.metadata) was refused: its pickle asks to call "
+        f"{os.system.__module__}.system, which a shard index never needs, and nothing in it was "
+        f"run; {EXPECTED}"
+    )
+    assert not marker.exists()
+    (path / ".metadata").unlink()
+    with pytest.raises(ValueError, match=r"has meta\.pt but no \.metadata; expected a sharded"):
+        load_checkpoint(path)
