@@ -105,7 +105,7 @@ def _listening(port: int) -> set[str]:
 @pytest.mark.vllm
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/net/tcp")
 def test_a_by_hand_server_listens_on_loopback_only(tmp_path):
-    from tests.vllm_support import require_vllm
+    from tests.support.vllm_support import require_vllm
 
     require_vllm()
     from brace_lightning.models.sources import load_actor, load_tokenizer
