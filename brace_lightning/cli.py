@@ -23,7 +23,13 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import brace_lightning
-from brace_lightning.cli_errors import check_config_files, check_engine_factory, construction_errors
+from brace_lightning.checkpoints import check_ckpt_path
+from brace_lightning.cli_errors import (
+    check_config_files,
+    check_engine_factory,
+    construction_errors,
+    fail,
+)
 from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
 from brace_lightning.run_names import name_tensorboard_run
@@ -57,6 +63,17 @@ class BraceCLI(LightningCLI):
             "--version", action="version", version=f"brace-lightning {brace_lightning.__version__}"
         )
         return parser
+
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then refuse a ``--ckpt_path`` that is not a readable checkpoint with one sentence
+        (``checkpoints.py``), before LightningCLI reads its hyperparameters or builds a model."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        if subcommand:
+            try:
+                check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+            except ValueError as error:
+                fail(parser, str(error))
 
     def before_instantiate_classes(self) -> None:
         """Name the TensorBoard run by task, target, objective and staleness (``run_names.py``)."""

@@ -7,14 +7,22 @@
 - ``DIR/critic``: the critic's backbone (``AutoModel``) plus ``value_head.safetensors``; load it
   with :func:`load_exported_critic`.
 
+``DIR`` must be new or empty unless ``--overwrite`` is given, which replaces it whole. The export is
+written into a temporary folder beside ``DIR`` and renamed into place when complete, so a failed
+export leaves nothing behind and no file of an earlier export (a stale ``chat_template.jinja``)
+becomes part of the new one.
+
 ``CKPT`` is a single-process checkpoint file (``*.ckpt``) or the folder of a sharded FSDP2
 checkpoint (``ModelParallelStrategy``); a sharded one is read in one process with
 ``torch.distributed.checkpoint`` into the model's own tensors (the optimizer states are not read).
-The model is rebuilt from the run's saved hyperparameters (``actor`` and the tiny model's sizes),
+The checkpoint is read with ``weights_only=True``
+(``checkpoints.py``): one whose pickle would run code, or a damaged or foreign file, is refused with
+one sentence naming it. The model is rebuilt from the run's saved hyperparameters (``actor`` and the tiny model's sizes),
 so a hub actor must be reachable (or in the local cache) to build its skeleton.
 
 :class:`ExportOnFitEnd` does the same at the end of ``fit`` from the live module (gathering
-sharded weights on every rank, writing on rank 0)::
+sharded weights on every rank, writing on rank 0); it replaces ``out/actor`` and ``out/critic``
+whole and keeps any other file in ``out``::
 
     trainer:
       callbacks:
@@ -24,8 +32,13 @@ sharded weights on every rank, writing on rank 0)::
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import secrets
+import shutil
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +48,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
+from brace_lightning.checkpoints import LIGHTNING_KEYS, load_checkpoint
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
@@ -46,7 +60,8 @@ from brace_lightning.models.weight_sync import (
 )
 
 VALUE_HEAD_FILE = "value_head.safetensors"
-META_FILE = "meta.pt"  # Lightning's metadata file inside a sharded checkpoint folder
+#: What ``export`` needs of a checkpoint besides Lightning's keys: the run's hyperparameters.
+EXPORT_KEYS = (*LIGHTNING_KEYS, "hyper_parameters")
 
 
 def _unwrap_hparams(hparams: Any) -> dict[str, Any]:
@@ -55,27 +70,7 @@ def _unwrap_hparams(hparams: Any) -> dict[str, Any]:
 
 def read_hparams(ckpt_path: str | Path) -> dict[str, Any]:
     """The module's saved hyperparameters of a checkpoint file or sharded checkpoint folder."""
-    path = Path(ckpt_path)
-    if path.is_dir():
-        meta = path / META_FILE
-        if not meta.is_file():
-            raise ValueError(
-                f"ckpt_path={str(path)!r} is a folder without {META_FILE}; expected a sharded "
-                "checkpoint folder written by ModelParallelStrategy."
-            )
-        checkpoint = torch.load(meta, map_location="cpu", weights_only=False)
-    elif path.is_file():
-        checkpoint = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    else:
-        raise ValueError(
-            f"ckpt_path={str(path)!r} does not exist; expected a .ckpt file or a sharded checkpoint "
-            "folder."
-        )
-    if "hyper_parameters" not in checkpoint:
-        raise ValueError(
-            f"ckpt_path={str(path)!r} has no hyper_parameters; expected a brace_lightning checkpoint."
-        )
-    return _unwrap_hparams(checkpoint["hyper_parameters"])
+    return _unwrap_hparams(load_checkpoint(ckpt_path, required=EXPORT_KEYS)["hyper_parameters"])
 
 
 def build_skeleton(
@@ -97,8 +92,14 @@ def build_skeleton(
     return actor, critic, tokenizer
 
 
-def _load_model_state(ckpt_path: Path, target: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Fill ``target`` (``{"actor.…": tensor, "critic.…": tensor}``) from the checkpoint."""
+def _load_model_state(
+    ckpt_path: Path, checkpoint: dict[str, Any], target: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """Fill ``target`` (``{"actor.…": tensor, "critic.…": tensor}``) from the checkpoint.
+
+    ``checkpoint`` is the file's dictionary (for a sharded folder its ``meta.pt``, whose weights are
+    read from the shards).
+    """
     if ckpt_path.is_dir():
         from torch.distributed.checkpoint import load as dcp_load
 
@@ -108,7 +109,7 @@ def _load_model_state(ckpt_path: Path, target: dict[str, torch.Tensor]) -> dict[
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
             dcp_load(wrapped, checkpoint_id=ckpt_path, no_dist=True)
         return wrapped["state_dict"]
-    state = torch.load(ckpt_path, map_location="cpu", weights_only=False, mmap=True)["state_dict"]
+    state = checkpoint["state_dict"]
     missing = [key for key in target if key not in state]
     if missing:
         raise ValueError(
@@ -122,6 +123,72 @@ def _split(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tenso
     return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
+def _new_sibling(target: Path, suffix: str) -> Path:
+    """An empty folder beside ``target`` under a fresh hidden name (the umask's permissions, as a
+    folder ``export`` made itself)."""
+    while True:
+        folder = target.with_name(f".{target.name}.{secrets.token_hex(4)}.{suffix}")
+        try:
+            folder.mkdir()
+            return folder
+        except FileExistsError:
+            continue
+
+
+@contextlib.contextmanager
+def _staged(target: Path) -> Iterator[Path]:
+    """A new folder beside ``target`` that replaces ``target`` (folder or file) by rename when the
+    block succeeds, and is removed when it fails: ``target`` is never half written."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = _new_sibling(target, "partial")
+    try:
+        yield staging
+        if not (target.exists() or target.is_symlink()):
+            os.rename(staging, target)
+            return
+        trash = _new_sibling(target, "old")
+        try:
+            os.rename(target, trash / target.name)
+            try:
+                os.rename(staging, target)
+            except BaseException:
+                os.rename(trash / target.name, target)
+                raise
+        finally:
+            shutil.rmtree(trash, ignore_errors=True)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_export_target(out: str | Path, *, overwrite: bool = False) -> Path:
+    """``out`` as a Path when ``export`` may write it: new, an empty folder, or ``overwrite``.
+
+    Raises:
+        ValueError: ``out`` is a file or a non-empty folder and ``overwrite`` is False.
+    """
+    out = Path(out)
+    if overwrite or not (out.exists() or out.is_symlink()):
+        return out
+    if not out.is_dir():
+        raise ValueError(
+            f"out={str(out)!r} is a file; expected a new or empty folder (--overwrite replaces it)."
+        )
+    if any(out.iterdir()):
+        raise ValueError(
+            f"out={str(out)!r} is a folder that is not empty; expected a new or empty folder "
+            "(--overwrite replaces it whole)."
+        )
+    return out
+
+
+def _check_subfolders(out: Path) -> None:
+    for name in ("actor", "critic"):
+        if (out / name).exists() and not (out / name).is_dir():
+            raise ValueError(
+                f"out={str(out)!r} holds a file named {name}; expected a folder there (or none)."
+            )
+
+
 def save_hf_folders(
     actor: nn.Module,
     critic: ValueModel,
@@ -133,17 +200,24 @@ def save_hf_folders(
 ) -> Path:
     """Write ``out/actor`` (model + tokenizer) and ``out/critic`` (backbone + value head).
 
-    ``actor_state``/``critic_state`` (full tensors) replace the modules' own state when given (for
-    sharded modules, whose ``state_dict`` holds shards).
+    Each replaces an earlier folder of its name whole (written beside it, then renamed), so no file
+    of an earlier export stays; other files in ``out`` are kept. ``actor_state``/``critic_state``
+    (full tensors) replace the modules' own state when given (for sharded modules, whose
+    ``state_dict`` holds shards).
+
+    Raises:
+        ValueError: the actor is not a transformers model, or ``out/actor`` or ``out/critic`` is a
+            file.
     """
     out = Path(out)
     if not isinstance(actor, PreTrainedModel):
         raise ValueError(
             f"export needs a transformers PreTrainedModel actor; got {type(actor).__name__}."
         )
-    actor_dir, critic_dir = out / "actor", out / "critic"
-    actor.save_pretrained(actor_dir, state_dict=actor_state, safe_serialization=True)
-    tokenizer.save_pretrained(actor_dir)
+    _check_subfolders(out)
+    with _staged(out / "actor") as actor_dir:
+        actor.save_pretrained(actor_dir, state_dict=actor_state, safe_serialization=True)
+        tokenizer.save_pretrained(actor_dir)
     critic_state = critic.state_dict() if critic_state is None else critic_state
     backbone = {
         k[len("backbone.") :]: v for k, v in critic_state.items() if k.startswith("backbone.")
@@ -153,26 +227,38 @@ def save_hf_folders(
         for k, v in critic_state.items()
         if k.startswith("value_head.")
     }
-    critic.backbone.save_pretrained(critic_dir, state_dict=backbone, safe_serialization=True)
-    save_file(head, str(critic_dir / VALUE_HEAD_FILE))
-    tokenizer.save_pretrained(critic_dir)
-    (critic_dir / "brace_lightning.json").write_text(
-        json.dumps({"kind": "ValueModel", "value_head": VALUE_HEAD_FILE}, indent=2) + "\n"
-    )
+    with _staged(out / "critic") as critic_dir:
+        critic.backbone.save_pretrained(critic_dir, state_dict=backbone, safe_serialization=True)
+        save_file(head, str(critic_dir / VALUE_HEAD_FILE))
+        tokenizer.save_pretrained(critic_dir)
+        (critic_dir / "brace_lightning.json").write_text(
+            json.dumps({"kind": "ValueModel", "value_head": VALUE_HEAD_FILE}, indent=2) + "\n"
+        )
     return out
 
 
-def export_checkpoint(ckpt_path: str | Path, out: str | Path) -> Path:
-    """Export a checkpoint (file or sharded folder) to Hugging Face folders; returns ``out``."""
+def export_checkpoint(ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+    """Export a checkpoint (file or sharded folder) to Hugging Face folders; returns ``out``.
+
+    ``out`` must be new or an empty folder unless ``overwrite``, which replaces it whole; it appears
+    only when the export is complete (written beside it, then renamed).
+
+    Raises:
+        ValueError: one sentence for a target it may not write, or a checkpoint that is missing,
+            damaged, foreign, asks to run code or does not fit the rebuilt model.
+    """
     path = Path(ckpt_path)
-    hparams = read_hparams(path)
-    actor, critic, tokenizer = build_skeleton(hparams)
+    out = check_export_target(out, overwrite=overwrite)
+    checkpoint = load_checkpoint(path, required=EXPORT_KEYS)
+    actor, critic, tokenizer = build_skeleton(_unwrap_hparams(checkpoint["hyper_parameters"]))
     target = {f"actor.{k}": v for k, v in actor.state_dict().items()}
     target |= {f"critic.{k}": v for k, v in critic.state_dict().items()}
-    state = _load_model_state(path, target)
+    state = _load_model_state(path, checkpoint, target)
     actor.load_state_dict(_split(state, "actor."))
     critic.load_state_dict(_split(state, "critic."))
-    return save_hf_folders(actor, critic, tokenizer, out)
+    with _staged(out) as staging:
+        save_hf_folders(actor, critic, tokenizer, staging)
+    return out
 
 
 def load_exported_critic(folder: str | Path, **kwargs: Any) -> ValueModel:
@@ -201,6 +287,10 @@ class ExportOnFitEnd(pl.Callback):
             raise ValueError(f"ExportOnFitEnd got out={out!r}; expected a folder path.")
         self.out = out
 
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Refuse an ``out`` whose ``actor`` or ``critic`` is a file before training, not after."""
+        _check_subfolders(Path(self.out))
+
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         actor, critic = pl_module.actor, pl_module.critic  # type: ignore[attr-defined]
         # Collectives: gathered on global rank 0 only, bucket by bucket; the other ranks hold at
@@ -222,7 +312,7 @@ class ExportOnFitEnd(pl.Callback):
 
 
 def main(args: list[str] | None = None) -> None:
-    """``brace-lightning export --ckpt_path CKPT --out DIR``."""
+    """``brace-lightning export --ckpt_path CKPT --out DIR [--overwrite]``."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(
@@ -232,10 +322,13 @@ def main(args: list[str] | None = None) -> None:
     parser.add_argument(
         "--ckpt_path", type=str, required=True, help="a .ckpt file or sharded folder"
     )
-    parser.add_argument("--out", type=str, required=True, help="output folder (actor/, critic/)")
+    parser.add_argument(
+        "--out", type=str, required=True, help="output folder (actor/, critic/), new or empty"
+    )
+    parser.add_argument("--overwrite", action="store_true", help="replace --out whole if it exists")
     config = parser.parse_args(args)
     try:
-        out = export_checkpoint(config.ckpt_path, config.out)
+        out = export_checkpoint(config.ckpt_path, config.out, overwrite=config.overwrite)
     except ValueError as error:
         parser.error(str(error))
     print(f"exported {config.ckpt_path} to {out}/actor and {out}/critic")

@@ -13,9 +13,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from brace_lightning import export as export_module
 from brace_lightning.cli import run
 from brace_lightning.export import export_checkpoint, load_exported_critic
+from brace_lightning.logs import read_scalars
 from brace_lightning.models.policy import token_logprobs
+from tests.test_checkpoints import BAD_FILES, BAD_IDS, hostile
 from tests.test_trainer import small_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +77,7 @@ def test_the_fit_end_callback_exports_the_final_weights(trained) -> None:
     _assert_same_outputs(cli.model, root / "at_fit_end")
 
 
-def export_command(ckpt_path: Path, out: Path) -> subprocess.CompletedProcess:
+def export_command(ckpt_path: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """Run ``brace-lightning export`` as a user would."""
     return subprocess.run(
         [
@@ -82,6 +85,7 @@ def export_command(ckpt_path: Path, out: Path) -> subprocess.CompletedProcess:
             "export",
             f"--ckpt_path={ckpt_path}",
             f"--out={out}",
+            *extra,
         ],
         capture_output=True,
         text=True,
@@ -98,6 +102,125 @@ def test_export_command_refuses_a_missing_checkpoint_with_one_sentence(tmp_path:
         "or a sharded checkpoint folder."
     )
     assert not (tmp_path / "out").exists()
+
+
+def test_export_refuses_a_checkpoint_whose_pickle_runs_code_without_running_it(tmp_path: Path):
+    """``weights_only=False`` ran the pickle's shell command before export said anything."""
+    ckpt, marker = hostile(tmp_path)
+    done = export_command(ckpt, tmp_path / "out")
+    assert done.returncode == 2, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith(f"error: ckpt_path={str(ckpt)!r} was refused: its pickle asks to call ")
+    assert last.endswith(
+        "nothing in it was run; expected a Lightning checkpoint written by brace-lightning."
+    )
+    assert not marker.exists()
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("make", "sentence"), BAD_FILES[1:], ids=BAD_IDS[1:])
+def test_export_refuses_a_damaged_or_foreign_checkpoint_with_one_sentence(
+    tmp_path: Path, make, sentence
+) -> None:
+    ckpt = make(tmp_path)
+    with pytest.raises(ValueError) as info:
+        export_checkpoint(ckpt, tmp_path / "out")
+    # export also needs the run's hyperparameters
+    sentence = sentence.replace(
+        "'pytorch-lightning_version' and 'state_dict'",
+        "'pytorch-lightning_version', 'state_dict' and 'hyper_parameters'",
+    )
+    assert str(info.value) == f"ckpt_path={str(ckpt)!r} {sentence}"
+    assert "weights_only" not in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def _leftovers(folder: Path) -> list[str]:
+    """Hidden staging folders ``export`` left beside its target."""
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_export_refuses_a_non_empty_or_file_target_without_overwrite(trained, tmp_path: Path):
+    cli, _ = trained
+    ckpt = Path(cli.trainer.checkpoint_callback.best_model_path)
+    used = tmp_path / "used"
+    (used / "actor").mkdir(parents=True)
+    (used / "actor" / "chat_template.jinja").write_text("{{ 'stale' }}")
+    with pytest.raises(ValueError) as info:
+        export_checkpoint(ckpt, used)
+    assert str(info.value) == (
+        f"out={str(used)!r} is a folder that is not empty; expected a new or empty folder "
+        "(--overwrite replaces it whole)."
+    )
+    afile = tmp_path / "afile"
+    afile.write_text("mine")
+    with pytest.raises(ValueError, match=r"^out='.*afile' is a file; expected a new or empty"):
+        export_checkpoint(ckpt, afile)
+    assert afile.read_text() == "mine"
+    # DIR/actor a file: export used to report success and write no actor.
+    clash = tmp_path / "clash"
+    clash.mkdir()
+    (clash / "actor").write_text("not a folder")
+    done = export_command(ckpt, clash)
+    assert done.returncode == 2
+    assert (
+        done.stderr.strip()
+        .splitlines()[-1]
+        .startswith(f"error: out={str(clash)!r} is a folder that is not empty")
+    )
+    assert (clash / "actor").read_text() == "not a folder"
+    # --overwrite replaces the folder whole: the stale template does not become the model's.
+    done = export_command(ckpt, used, "--overwrite")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (used / "actor" / "chat_template.jinja").exists()
+    _assert_same_outputs(cli.model, used)
+    out = export_checkpoint(ckpt, clash, overwrite=True)
+    assert (out / "actor").is_dir() and (out / "actor" / "config.json").is_file()
+    out = export_checkpoint(ckpt, afile, overwrite=True)
+    assert (out / "critic" / "value_head.safetensors").is_file()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    export_checkpoint(ckpt, empty)  # an empty folder is fine without --overwrite
+    assert (empty / "actor" / "config.json").is_file()
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_failed_export_leaves_no_half_folder(trained, tmp_path: Path, monkeypatch) -> None:
+    cli, _ = trained
+    ckpt = Path(cli.trainer.checkpoint_callback.best_model_path)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    # The actor is written, then the critic's value head fails.
+    monkeypatch.setattr(export_module, "save_file", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        export_checkpoint(ckpt, tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []
+    previous = tmp_path / "previous"
+    (previous / "actor").mkdir(parents=True)
+    (previous / "actor" / "config.json").write_text("{}")
+    with pytest.raises(OSError, match="No space left"):
+        export_checkpoint(ckpt, previous, overwrite=True)
+    assert [p.name for p in previous.iterdir()] == ["actor"]  # the old export, untouched
+    assert (previous / "actor" / "config.json").read_text() == "{}"
+    assert _leftovers(tmp_path) == []
+
+
+def test_the_fit_end_export_refuses_a_file_where_a_folder_goes_before_training(tmp_path: Path):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "critic").write_text("not a folder")
+    with pytest.raises(ValueError, match=r"^out='.*out' holds a file named critic; expected a"):
+        run(
+            small_run(
+                tmp_path,
+                "--trainer.callbacks+=brace_lightning.export.ExportOnFitEnd",
+                f"--trainer.callbacks.out={tmp_path / 'out'}",
+                steps=1,
+            )
+        )
+    logs = {p.parent for p in tmp_path.rglob("events.out.tfevents.*")}
+    assert all(not read_scalars(folder) for folder in logs)  # not one step was trained
 
 
 @pytest.mark.slow

