@@ -101,7 +101,9 @@ def test_the_skip_count_is_the_due_steps_that_published_no_version() -> None:
 
 
 def test_the_rule_flags_refuse_a_non_bool_in_one_sentence() -> None:
-    with pytest.raises(ValueError, match=r"^skip_equal_reward_batches must be a bool; got 'yes'\.$"):
+    with pytest.raises(
+        ValueError, match=r"^skip_equal_reward_batches must be a bool; got 'yes'\.$"
+    ):
         BraceModule(tiny_hidden_size=32, tiny_num_layers=1, skip_equal_reward_batches="yes")
     with pytest.raises(ValueError, match=r"^mask_equal_reward_groups must be a bool; got 1\.$"):
         EqualRewards(True, 1)  # type: ignore[arg-type]
@@ -197,9 +199,7 @@ def test_step_statistics_give_token_and_sequence_ess_and_the_length_capped_fract
         if batch.mask[row].any()
     ]
     assert metrics["weights/ess_fraction_tokens"] == pytest.approx(_slow_ess_fraction(tokens))
-    assert metrics["weights/ess_fraction_sequences"] == pytest.approx(
-        _slow_ess_fraction(sequences)
-    )
+    assert metrics["weights/ess_fraction_sequences"] == pytest.approx(_slow_ess_fraction(sequences))
     assert metrics["weights/ess_fraction_sequences"] < metrics["weights/ess_fraction_tokens"]
     assert metrics["rollout/length_capped_fraction"] == 0.25
     # k3 KL(µ‖π) is the headline KL: nonnegative mean of w − 1 − log w
@@ -303,7 +303,10 @@ def test_the_collapse_warning_watches_kl_and_length_cap_and_can_stop() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"kl_threshold": -1.0}, r"^kl_threshold must be None or a finite number >= 0; got -1\.0\.$"),
+        (
+            {"kl_threshold": -1.0},
+            r"^kl_threshold must be None or a finite number >= 0; got -1\.0\.$",
+        ),
         ({"patience": 0}, r"^patience must be an integer >= 1; got 0\.$"),
         ({"stop": "no"}, r"^stop must be a bool; got 'no'\.$"),
     ],
