@@ -41,7 +41,7 @@ from brace_lightning.hparams import (
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.build import build_actor_critic, shard_actor_critic
-from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy
+from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_logprobs, require_finite_loss
 from brace_lightning.models.microbatch import MicroBatch, widen
@@ -490,6 +490,7 @@ class BraceModule(pl.LightningModule):
         state = checkpoint["brace"]
         datamodule = None if self._trainer is None else self._trainer.datamodule
         check_same_data_module(checkpoint, state.get(RECORD_KEY), datamodule)
+        upgrade_checkpoint_keys(checkpoint)
         if self.reference is not None:
             self.reference.load_checkpoint_state(checkpoint, self.kl_coef)
         else:

@@ -15,7 +15,7 @@ from brace_lightning.targets.functional import (
     variable_window_scan,
     windowed_scan,
 )
-from tests.reference_targets import reference_targets
+from tests.support.reference_targets import reference_targets
 from tests.test_targets import (
     CLIPS,
     assert_close,

@@ -85,7 +85,7 @@ def test_the_progress_bar_drops_only_the_version() -> None:
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_runs_at_warning_level_without_the_expected_warnings(tmp_path: Path) -> None:
-    from tests.vllm_support import require_vllm
+    from tests.support.vllm_support import require_vllm
 
     require_vllm()
     out = console(

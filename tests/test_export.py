@@ -138,7 +138,7 @@ def test_export_of_a_sharded_fsdp_checkpoint_matches_the_gathered_weights(tmp_pa
 @pytest.mark.slow
 @pytest.mark.vllm
 def test_vllm_serves_the_exported_actor_with_the_trainer_log_probs(trained, tmp_path: Path) -> None:
-    from tests.vllm_support import require_vllm
+    from tests.support.vllm_support import require_vllm
 
     require_vllm()
     import vllm

@@ -34,7 +34,7 @@ from brace_lightning.models.parallelize import full_state_dict, parallelize
 from brace_lightning.models.policy import load_causal_lm, token_logprobs
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
-from tests.dist_support import one_process_group, spawn_gloo_ranks
+from tests.support.dist_support import one_process_group, spawn_gloo_ranks
 
 #: fp32 on both sides; only the reduction order of the sharded forward can differ.
 ATOL = 1e-5

@@ -35,8 +35,8 @@ from brace_lightning.module import BraceModule
 from brace_lightning.objectives.functional import KL_ESTIMATORS, kl_to_reference
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.targets import GAE
-from tests.dist_support import one_process_group
-from tests.parallel_driver import _Repeat
+from tests.support.dist_support import one_process_group
+from tests.support.parallel_driver import _Repeat
 from tests.test_parallel import _cli, _driver
 from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
 
@@ -533,7 +533,7 @@ def test_fsdp_shards_the_reference_and_resumes_it_from_a_sharded_checkpoint(
     )
     (checkpoint,) = ckpt.iterdir()
     saved = FileSystemReader(checkpoint).read_metadata().state_dict_metadata
-    embedding = saved["state_dict.reference_actor.model.embed_tokens.weight"]
+    embedding = saved["state_dict.reference.policy.model.embed_tokens.weight"]
     assert len(embedding.chunks) == 2  # one shard per rank, like the actor's
     resumed = _driver(
         tmp_path / "resumed", *_cli(tmp_path, *recipe), meta, f"--ckpt_path={checkpoint}"

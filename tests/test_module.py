@@ -16,7 +16,12 @@ import pytest
 import torch
 
 from brace_lightning import module as module_file
-from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy
+from brace_lightning.models.copies import (
+    LEGACY_PREFIXES,
+    EwmaPolicy,
+    ReferencePolicy,
+    upgrade_checkpoint_keys,
+)
 from brace_lightning.module import BraceModule, shift_values
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.ranks import Ranks, whiten
@@ -167,3 +172,26 @@ def test_one_step_after_warm_up_trains_both_and_publishes_a_version() -> None:
     assert {"actor/loss", "actor/grad_norm", "critic/grad_norm", "time/ewma_forward_ms"} <= set(
         metrics
     )
+
+
+def test_a_checkpoint_with_the_old_copy_names_loads_after_the_upgrade() -> None:
+    """Checkpoints written before the copies became modules (``reference_actor.*``,
+    ``ewma_actor.*``, ``_ewma_sums.*``, ``ewma_steps``) still load, strictly, with equal values."""
+    source = BraceModule(**TINY, kl_coef=0.1, actor_objective=PPOEWMA(ewma_decay=0.5))
+    source.ewma.update(source.actor)
+    new_names = source.state_dict()
+    old = {}
+    for key, value in new_names.items():
+        for legacy, current in LEGACY_PREFIXES.items():
+            if key.startswith(current):
+                key = legacy + key.removeprefix(current)
+                break
+        old[key] = value
+    assert "ewma_steps" in old and any(k.startswith("reference_actor.") for k in old)
+    checkpoint = {"state_dict": old}
+    upgrade_checkpoint_keys(checkpoint)
+    target = BraceModule(**TINY, kl_coef=0.1, actor_objective=PPOEWMA(ewma_decay=0.5))
+    target.load_state_dict(checkpoint["state_dict"], strict=True)
+    assert int(target.ewma.steps) == 1
+    for key, value in new_names.items():
+        assert torch.equal(target.state_dict()[key], value), key

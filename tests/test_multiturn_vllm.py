@@ -10,7 +10,7 @@ import string
 import pytest
 import torch
 
-from tests.vllm_support import require_vllm
+from tests.support.vllm_support import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -27,8 +27,8 @@ from brace_lightning.objectives import (
     PPOClip,
 )
 from brace_lightning.objectives import functional as F
-from tests.reference_objectives import binary_kl as ref_binary_kl
-from tests.reference_objectives import reference, reference_value_loss
+from tests.support.reference_objectives import binary_kl as ref_binary_kl
+from tests.support.reference_objectives import reference, reference_value_loss
 
 RATIOS = (0.5, 0.85, 1.1, 1.5, 4.0)  # r = π_θ/π_prox: both sides of 0.8 / 1.28 and dual clip 3
 WEIGHTS = (0.3, 0.8, 1.3, 3.0, 8.0)  # w = π_prox/µ: both sides of 0.5, 2, 5

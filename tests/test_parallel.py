@@ -1,7 +1,7 @@
 """FSDP2 (``models/parallelize.py``) and data parallelism (DDP / ``ModelParallelStrategy``).
 
 Unit tests run in this process on a 1-rank gloo group. The slow tests launch 2-process gloo runs
-on CPU as subprocesses (``tests/parallel_driver.py``; Lightning starts the second rank) and check
+on CPU as subprocesses (``tests/support/parallel_driver.py``; Lightning starts the second rank) and check
 that the ranks agree, that 2 ranks × 4 rows give the update of 1 process × 8 rows, and that a
 sharded checkpoint resumes to the same weights as an uninterrupted run.
 """
@@ -50,10 +50,10 @@ from brace_lightning.objectives import PPOEWMA
 from brace_lightning.ranks import combine_rank_metrics
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
-from tests.dist_support import one_process_group, spawn_gloo_ranks
+from tests.support.dist_support import one_process_group, spawn_gloo_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
-DRIVER = ROOT / "tests" / "parallel_driver.py"
+DRIVER = ROOT / "tests" / "support" / "parallel_driver.py"
 CONFIGS = ROOT / "configs"
 
 

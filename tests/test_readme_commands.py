@@ -1,6 +1,6 @@
 """Every command in README.md and docs/*.md runs as written (project rule), each as its own test case.
 
-The commands (tests/readme.py: shell code-block lines and inline commands in the prose; a line
+The commands (tests/support/readme.py: shell code-block lines and inline commands in the prose; a line
 that appears in several places is one case) run literally through ``bash -c`` from a working
 directory that mirrors the repository (its tracked top-level entries symlinked, ``.venv`` the
 running environment), so that runs, checkpoints and exports land in a temporary folder. Only a size
@@ -53,7 +53,7 @@ import yaml
 
 from brace_lightning import sweep
 from brace_lightning.logs import read_scalars
-from tests.readme import (
+from tests.support.readme import (
     REPO,
     Command,
     docs_commands,
@@ -92,8 +92,8 @@ BENCHMARK_PARSE_ONLY = {
     "async_speedup": "a producer process per configuration row: about two minutes at 2 steps; "
     "tests/test_async.py runs the producer",
     "fsdp_memory": "2 gloo ranks per path at the real 151,936-token vocabulary; "
-    "tests/test_fsdp_memory.py runs its rank measurement",
-    "lm_staleness": "a grid of fits after the recipe's warm start; tests/test_lm_staleness.py "
+    "tests/benchmarks/test_fsdp_memory.py runs its rank measurement",
+    "lm_staleness": "a grid of fits after the recipe's warm start; tests/benchmarks/test_lm_staleness.py "
     "covers its cells, resume and aggregation",
     "gpu_check": "vLLM's start alone takes a minute on CPU; tests/test_vllm.py asserts the log-prob "
     "gaps it prints",

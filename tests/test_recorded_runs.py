@@ -1,8 +1,8 @@
-"""The recorded runs (``tests/recorded_runs.py``) reproduce bit for bit: every deterministic metric
+"""The recorded runs (``tests/support/recorded_runs.py``) reproduce bit for bit: every deterministic metric
 of every rollout step and the SHA-256 of the final actor and critic weights.
 
 A refactor must leave them unchanged; a change meant to alter training re-records them
-(``python -m tests.recorded_runs --record``) and says why in its commit.
+(``python -m tests.support.recorded_runs --record``) and says why in its commit.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.recorded_runs import EXPECTED, RUNS, run
+from tests.support.recorded_runs import EXPECTED, RUNS, run
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from brace_lightning.targets.functional import brace, gae, vtrace
-from tests.reference_targets import reference_targets
+from tests.support.reference_targets import reference_targets
 
 
 def layout_mask(T: int = 24) -> torch.Tensor:

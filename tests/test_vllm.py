@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from tests.vllm_support import require_vllm
+from tests.support.vllm_support import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.vllm_support import require_vllm
+from tests.support.vllm_support import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

@@ -21,6 +21,26 @@ from torch import nn
 
 from brace_lightning.models.parallelize import WRAPPER_PREFIX
 
+#: State-dict key prefixes written before the copies became modules of their own -> today's.
+LEGACY_PREFIXES = {
+    "reference_actor.": "reference.policy.",
+    "ewma_actor.": "ewma.policy.",
+    "_ewma_sums.": "ewma.sums.",
+    "ewma_steps": "ewma.steps",
+}
+
+
+def upgrade_checkpoint_keys(checkpoint: dict[str, Any]) -> None:
+    """Rename the copies' keys of a checkpoint written with the old names (``reference_actor.*``,
+    ``ewma_actor.*``, ``_ewma_sums.*``, ``ewma_steps``), so it resumes. Single-file checkpoints
+    only: Lightning reads a sharded (FSDP2) checkpoint by the module's keys before any hook."""
+    weights = checkpoint.get("state_dict", {})
+    for key in list(weights):
+        for old, new in LEGACY_PREFIXES.items():
+            if key.startswith(old):
+                weights[new + key.removeprefix(old)] = weights.pop(key)
+                break
+
 
 class ReferencePolicy(nn.Module):
     """The frozen reference policy π_ref of the KL term.

@@ -30,14 +30,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from brace_lightning.models.health import nonfinite_message, nonfinite_names
+from brace_lightning.models.parallelize import WRAPPER_PREFIX
 
 #: Default of ``model.weight_sync_bucket_mb``: the most bytes of full tensors held at once (MiB).
 DEFAULT_BUCKET_MB = 512
 
 MIB = 2**20
-
-#: The prefix ``checkpoint_wrapper`` adds to parameter names (removed from state-dict keys).
-WRAPPER_PREFIX = "_checkpoint_wrapped_module."
 
 
 def bucket_bytes_from_mb(value: object, name: str = "weight_sync_bucket_mb") -> int | None:

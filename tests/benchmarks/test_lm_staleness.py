@@ -11,7 +11,7 @@ import yaml
 from benchmarks import lm_staleness
 from benchmarks.lm_staleness import Cell, score, summarize, window_mean
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_summarize_known_interval() -> None:

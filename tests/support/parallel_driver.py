@@ -8,8 +8,8 @@ so with global token normalisation both compute the same update. ``cli`` mode ru
 ``rank<r>.json`` into ``--out`` (its metrics, a checksum of the full actor and critic weights, its
 prompt stream) and rank 0 writes ``weights.pt`` (the full weights).
 
-python tests/parallel_driver.py fixed --out DIR --strategy fsdp --devices 2 --steps 2
-python tests/parallel_driver.py cli --out DIR -- fit --config configs/quickstart.yaml ...
+python tests/support/parallel_driver.py fixed --out DIR --strategy fsdp --devices 2 --steps 2
+python tests/support/parallel_driver.py cli --out DIR -- fit --config configs/quickstart.yaml ...
 """
 
 from __future__ import annotations

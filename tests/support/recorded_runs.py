@@ -8,11 +8,11 @@ throughput), and at the end it hashes every actor and critic tensor (gathered un
 expected values live in ``tests/data/recorded_runs.json``; after a change that is *meant* to change
 training, re-record them with::
 
-    .venv/bin/python -m tests.recorded_runs --record
+    .venv/bin/python -m tests.support.recorded_runs --record
 
 and say in the commit why the numbers moved.
 
-Run as ``python -m tests.recorded_runs OUT -- fit ARGS...`` it is the subprocess driver.
+Run as ``python -m tests.support.recorded_runs OUT -- fit ARGS...`` it is the subprocess driver.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import lightning.pytorch as pl
 import torch
 from torch.distributed.tensor import DTensor
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 EXPECTED = REPO / "tests" / "data" / "recorded_runs.json"
 
 #: Logged metrics whose value depends on the clock, the machine or the allocator, and the async
@@ -158,7 +158,15 @@ def run(name: str, out: Path) -> dict[str, Any]:
     """Run recorded run ``name`` in a subprocess; its record."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
     env.pop("PL_GLOBAL_SEED", None)
-    command = [sys.executable, "-m", "tests.recorded_runs", str(out), "--", "fit", *RUNS[name]]
+    command = [
+        sys.executable,
+        "-m",
+        "tests.support.recorded_runs",
+        str(out),
+        "--",
+        "fit",
+        *RUNS[name],
+    ]
     command.append(f"--trainer.default_root_dir={out}")  # config.yaml lands there, not in the repo
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
