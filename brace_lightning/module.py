@@ -111,8 +111,7 @@ class BraceModule(pl.LightningModule):
             allocates and reads only its shards (``docs/fsdp.md``).
         weight_sync_bucket_mb: the actor's weights reach the engines in buckets of at most this
             many MiB (under FSDP2 gathered a bucket at a time); None: one whole state dict.
-        kl_coef: weight of the KL to a frozen reference policy π_ref (the actor as RL training
-            starts, after any warm start); 0 (default): no reference is built.
+        kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
     """
