@@ -6,16 +6,23 @@ recipe). It runs once, in ``setup`` before the strategy shards or wraps the mode
 same under DDP and FSDP2: every rank trains its own full copy, then rank 0's weights are broadcast);
 a resumed run skips it (its state is in the checkpoint), and a task without supervised pairs (a
 custom prompt source) skips it with one logged sentence.
+
+:class:`CollapseWarning` watches three signals of a collapsing asynchronous run (issue 30,
+``docs/stability.md``) and, when one stays past its threshold for ``patience`` rollout steps in a
+row, logs one line that names what happened and what to try; optionally it stops the run.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities import rank_zero_info
 
-from brace_lightning.checks import require_int
+from brace_lightning.checks import require_bool, require_int
 from brace_lightning.models.critic import critic_seed
 from brace_lightning.seeds import run_seed
 from brace_lightning.warmstart import (
@@ -23,6 +30,8 @@ from brace_lightning.warmstart import (
     copy_backbone_to_critic,
     supervised_warm_start,
 )
+
+logger = logging.getLogger(__name__)
 
 
 class SupervisedWarmStart(pl.Callback):
@@ -107,3 +116,119 @@ class SupervisedWarmStart(pl.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.done = bool(state_dict["done"])
         self.final_loss = state_dict["final_loss"]
+
+
+@dataclass(frozen=True)
+class CollapseSignal:
+    """One watched metric: its logged ``key``, what staying above the threshold means and what to
+    try (the two halves of the warning line)."""
+
+    key: str
+    what: str
+    advice: str
+
+
+#: The signals :class:`CollapseWarning` watches, by the name of its threshold argument.
+COLLAPSE_SIGNALS = {
+    "kl_threshold": CollapseSignal(
+        "kl/mu_pi_k3",
+        "the k3 KL(µ‖π) per token between the engine's samples and the trainer's policy",
+        "lower the actor's lr or max_staleness (lag × lr sets the drift), or truncate the "
+        "behaviour weight (DecoupledPPO weight_cap)",
+    ),
+    "length_cap_threshold": CollapseSignal(
+        "rollout/length_capped_fraction",
+        "the fraction of responses cut at max_new_tokens (scored as failures)",
+        "lower the actor's lr, or raise the engine's max_new_tokens if the task needs longer "
+        "answers",
+    ),
+    "equal_reward_threshold": CollapseSignal(
+        "rollout/equal_reward_group_fraction",
+        "the fraction of prompt groups whose rewards are all equal (all 0: a collapsed policy; "
+        "all 1: a solved task)",
+        "check rollout/reward; if it is 0, resume from an earlier checkpoint with a lower actor "
+        "lr or max_staleness, and keep skip_equal_reward_batches on",
+    ),
+}
+
+
+class CollapseWarning(pl.Callback):
+    """One warning line when a collapse signal stays past its threshold for ``patience`` steps.
+
+    After every rollout step it reads the logged metrics (``trainer.callback_metrics``): the k3
+    KL(µ‖π) per token (``kl/mu_pi_k3``), the length-capped fraction of responses
+    (``rollout/length_capped_fraction``) and the fraction of prompt groups whose rewards are all
+    equal (``rollout/equal_reward_group_fraction``). A signal above its threshold for ``patience``
+    consecutive steps logs one line (global rank 0) naming the signal, its value and threshold, and
+    what to try; it warns again only after it has dropped back to the threshold or below. A step
+    that did not log a signal leaves its run of steps unchanged.
+
+    Args:
+        kl_threshold: k3 KL(µ‖π) per token above which a step counts (None: not watched). In
+            issue 30's collapsed lag-8 runs of the counting recipe it was 0.03–0.09; at half the
+            learning rate, where the run did not collapse, ten times lower.
+        length_cap_threshold: fraction of responses cut at max_new_tokens above which a step counts
+            (None: not watched).
+        equal_reward_threshold: fraction of equal-reward prompt groups above which a step counts
+            (None: not watched).
+        patience: consecutive steps past a threshold before the warning.
+        stop: also stop the run (``trainer.should_stop``) when a warning is logged.
+    """
+
+    def __init__(
+        self,
+        *,
+        kl_threshold: float | None = 0.02,
+        length_cap_threshold: float | None = 0.5,
+        equal_reward_threshold: float | None = 0.9,
+        patience: int = 20,
+        stop: bool = False,
+    ) -> None:
+        thresholds = {
+            "kl_threshold": kl_threshold,
+            "length_cap_threshold": length_cap_threshold,
+            "equal_reward_threshold": equal_reward_threshold,
+        }
+        for name, value in thresholds.items():
+            if value is not None and (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not 0.0 <= value < math.inf
+            ):
+                raise ValueError(f"{name} must be None or a finite number >= 0; got {value!r}.")
+        require_int("patience", patience, 1)
+        require_bool("stop", stop)
+        self.thresholds = {n: float(v) for n, v in thresholds.items() if v is not None}
+        self.patience = patience
+        self.stop = stop
+        self.runs = dict.fromkeys(self.thresholds, 0)  # consecutive steps past each threshold
+        self.warnings: list[str] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        metrics = trainer.callback_metrics
+        for name, threshold in self.thresholds.items():
+            signal = COLLAPSE_SIGNALS[name]
+            if signal.key not in metrics:
+                continue
+            value = float(metrics[signal.key])
+            self.runs[name] = self.runs[name] + 1 if value > threshold else 0
+            if self.runs[name] != self.patience:
+                continue
+            step = int(metrics["step"]) if "step" in metrics else trainer.global_step
+            line = (
+                f"Possible collapse at rollout step {step}: {signal.what} ({signal.key}) has "
+                f"stayed above {threshold:g} for {self.patience} steps (now {value:.3g}); try: "
+                f"{signal.advice}."
+                + (" Stopping (CollapseWarning stop=True)." if self.stop else "")
+            )
+            self.warnings.append(line)
+            if trainer.is_global_zero:
+                logger.warning(line)
+            if self.stop:
+                trainer.should_stop = True
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"runs": dict(self.runs)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.runs.update({k: v for k, v in state_dict["runs"].items() if k in self.runs})

@@ -7,12 +7,8 @@ rewards) → **value target** (GAE, V-trace or BRACE: advantages, whitened, and 
 **PPO epochs × minibatches** (one optimizer step of the critic and, after ``critic_warmup_steps``,
 the actor per minibatch; token losses summed over micro-batches and divided by the minibatch's
 global action-token count, so accumulation and data parallelism give one big batch's gradient) →
-**publish** the actor's weights (a new policy version) → **log**.
-
-The plumbing has homes of its own: ``scorer.py`` (micro-batch forwards, packing), ``models/copies.py``
-(reference and EWMA policies), ``ranks.py`` (data-parallel reductions), ``step_metrics.py``
-(metrics), ``models/build.py`` (construction, FSDP2 meta init and sharding), ``optim.py``,
-``hparams.py`` (argument checks), ``models/handoff.py`` (the weights' one way out).
+**publish** the actor's weights (a new policy version) → **log**. No actor step on a batch whose
+rewards are all equal (``equal_rewards.py``); the plumbing's homes: ``docs/architecture.md``.
 """
 
 from __future__ import annotations
@@ -34,6 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from brace_lightning.console import quiet_lightning
 from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
+from brace_lightning.equal_rewards import EqualRewards
 from brace_lightning.hparams import (
     check_ewma_support,
     check_module_arguments,
@@ -99,6 +96,8 @@ class BraceModule(pl.LightningModule):
         critic_warmup_steps: rollout steps during which only the critic is trained.
         max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
         whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
+        skip_equal_reward_batches: no actor step on a batch whose rewards are all equal (counted).
+        mask_equal_reward_groups: advantage 0 in prompt groups whose rewards are all equal (DAPO).
         tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
         tiny_num_layers: depth of the ``"tiny-char"`` model.
         seed: seed of the tiny model's initialisation and of the minibatch shuffling (None: the
@@ -112,12 +111,9 @@ class BraceModule(pl.LightningModule):
             allocates and reads only its shards (``docs/fsdp.md``).
         weight_sync_bucket_mb: the actor's weights reach the engines in buckets of at most this
             many MiB (under FSDP2 gathered a bucket at a time); None: one whole state dict.
-        kl_coef: weight of the KL to a frozen reference policy π_ref (the actor as RL training
-            starts, after any warm start); 0 (default): no reference is built.
-        kl_estimator: per-token estimator of KL(π‖π_ref): ``"k1"``, ``"k2"`` or ``"k3"`` (default;
-            :func:`brace_lightning.objectives.functional.kl_to_reference`).
-        kl_mode: ``"loss"`` (default; GRPO, verl): kl_coef · KL added to the actor's token loss;
-            ``"reward"`` (OpenRLHF, TRL PPO): −kl_coef · KL added to the rewards, no gradient.
+        kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
+        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
+        kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
     """
 
     def __init__(
@@ -140,6 +136,8 @@ class BraceModule(pl.LightningModule):
         critic_warmup_steps: int = 5,
         max_grad_norm: float | None = 1.0,
         whiten_advantages: bool = True,
+        skip_equal_reward_batches: bool = True,
+        mask_equal_reward_groups: bool = False,
         tiny_hidden_size: int = 128,
         tiny_num_layers: int = 2,
         seed: int | None = None,
@@ -179,6 +177,7 @@ class BraceModule(pl.LightningModule):
         self.critic_warmup_steps = critic_warmup_steps
         self.max_grad_norm = max_grad_norm
         self.whiten_advantages = whiten_advantages
+        self.equal_rewards = EqualRewards(skip_equal_reward_batches, mask_equal_reward_groups)
         self.activation_checkpointing = activation_checkpointing
         self.fsdp_mixed_precision = fsdp_mixed_precision
         self.fsdp_cpu_offload = fsdp_cpu_offload
@@ -274,7 +273,8 @@ class BraceModule(pl.LightningModule):
         with torch.no_grad(), timer("old_forward"):
             plan = self.scorer.plan(batch.attention_mask, self.ranks.reduce_max)
             batch, scored, kl_metrics = self._score(batch, plan)
-        train_actor = self.rollout_step >= self.critic_warmup_steps
+        due = self.rollout_step >= self.critic_warmup_steps
+        train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
         stats = UpdateStats()
         with timer("update"):
             for _ in range(self.ppo_epochs):
@@ -341,9 +341,9 @@ class BraceModule(pl.LightningModule):
                 mask=batch.mask,
             )
         metrics["time/value_target_ms"] = (time.perf_counter() - start) * 1e3
-        advantages = targets.advantages
+        advantages, actions = self.equal_rewards.policy_advantages(targets.advantages, batch)
         if self.whiten_advantages:
-            advantages = self.ranks.whiten(advantages, batch.mask)
+            advantages = self.ranks.whiten(advantages, actions)
         scored = Scored(proximal, ewma, reference, old_values, targets.returns, advantages)
         return batch, scored, metrics
 

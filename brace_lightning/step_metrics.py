@@ -2,7 +2,8 @@
 
 - :class:`UpdateStats` folds the objectives' per-micro-batch statistics into per-minibatch values and
   those into one value per rollout step; :func:`step_statistics` measures the batch, the critic and
-  the importance weights; :func:`beta_metrics` the critic targets' β by remaining horizon.
+  the behaviour weights (their KL estimates and effective sample size); :func:`beta_metrics` the
+  critic targets' β by remaining horizon; :func:`equal_reward_statistics` the equal-reward rules.
 - The module combines them into one dict of scalars per rollout step, combined over ranks
   (:func:`brace_lightning.ranks.combine_rank_metrics`), so every rank logs the same values and no
 ``sync_dist`` is needed. Logging them with ``self.log_dict`` (not ``logger.log_metrics``) puts them
@@ -26,13 +27,15 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 
+from brace_lightning.equal_rewards import equal_reward_group_fraction
 from brace_lightning.metrics import HorizonBeta
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.objectives.functional import MAX_LOG_RATIO
 from brace_lightning.rollout.types import RolloutBatch
 
-#: ``data/*`` entries of the batch info that repeat a ``rollout/*`` metric under another name.
-DUPLICATE_INFO = frozenset({"mean_score", "accuracy", "mean_response_length"})
+#: ``data/*`` entries of the batch info that repeat a ``rollout/*`` metric under another name
+#: (``truncated_fraction`` is logged as ``rollout/length_capped_fraction``).
+DUPLICATE_INFO = frozenset({"mean_score", "accuracy", "mean_response_length", "truncated_fraction"})
 
 #: Below this return variance the critic's explained variance is logged as NaN.
 EXPLAINED_VARIANCE_MIN_VAR = 1e-6
@@ -144,14 +147,40 @@ class UpdateStats:
         return out
 
 
+def effective_sample_size_fraction(log_weights: torch.Tensor) -> float:
+    """ESS/N of importance weights given by their logs ``[N]``: (Σw)² / (N·Σw²), in (0, 1].
+
+    Kish's effective sample size: 1 when every weight is equal (on-policy), 1/N when one weight
+    carries all the mass. Computed in float64 from log-sum-exps, so weights as large as e^(20·T) of
+    a long sequence neither overflow nor lose the small ones. NaN for N = 0.
+    """
+    log_weights = log_weights.detach().double().flatten()
+    if log_weights.numel() == 0:
+        return math.nan
+    log_ess = 2.0 * torch.logsumexp(log_weights, 0) - torch.logsumexp(2.0 * log_weights, 0)
+    return float(torch.exp(log_ess) / log_weights.numel())
+
+
 def step_statistics(
     batch: RolloutBatch,
     proximal_logprobs: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
 ) -> dict[str, float | torch.Tensor]:
-    """Reward and length of the batch, the critic's fit to its targets, and the importance
-    weights w = π_prox/µ with the KL(µ‖π) estimates (``kl/mu_pi_k3``; ``kl/pi_mu`` = mean w·log w)."""
+    """Reward and length of the batch, the critic's fit to its targets, and the behaviour weights
+    w = π_prox/µ of the action tokens (log w clamped to ±MAX_LOG_RATIO, as every ratio).
+
+    - ``kl/mu_pi_k3``: mean of w − 1 − log w, the k3 estimator (Schulman 2020) of KL(µ‖π_prox) per
+      token on µ's samples; nonnegative per token, low variance: the headline KL (progress bar).
+    - ``kl/pi_mu``: mean of w·log w, the importance-weighted estimator of KL(π_prox‖µ) per token:
+      unbiased, but heavy-tailed (a few tokens with w of 10²–10³ dominate it, and it can be
+      negative); kept under its old key for comparison with earlier runs.
+    - ``weights/ess_fraction_tokens``: ESS/N of the action tokens' w
+      (:func:`effective_sample_size_fraction`); ``weights/ess_fraction_sequences``: the same over the
+      rows' sequence weights exp(Σ_t log w_t). This rank's tokens and rows (ranks are averaged).
+    - ``rollout/length_capped_fraction``: responses cut at the engine's ``max_new_tokens``
+      (the batch info's ``truncated_fraction``; absent when the data module does not report it).
+    """
     mask = batch.mask
     log_w = (proximal_logprobs - batch.behavior_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
     w = log_w.exp()
@@ -175,7 +204,13 @@ def step_statistics(
         "kl/mu_pi_k3": masked_mean(w - 1.0 - log_w, mask),
         "kl/pi_mu": masked_mean(w * log_w, mask),
         "mismatch/abs_logprob_diff": masked_mean(log_w.abs(), mask),
+        "weights/ess_fraction_tokens": effective_sample_size_fraction(log_w[mask]),
+        "weights/ess_fraction_sequences": effective_sample_size_fraction(
+            torch.where(mask, log_w, 0.0).sum(1)[mask.any(1)]
+        ),
     }
+    if "truncated_fraction" in batch.info:
+        metrics["rollout/length_capped_fraction"] = float(batch.info["truncated_fraction"])
     if batch.correct is not None:
         metrics["rollout/accuracy"] = batch.correct.float().mean()
     return metrics
@@ -197,6 +232,23 @@ def beta_metrics(
         if defined:
             out[f"critic/beta_by_horizon/h{edge:05d}"] = value
             out["critic/beta"] = value  # bins ascend: the last defined one wins
+    return out
+
+
+def equal_reward_statistics(module: Any, batch: RolloutBatch) -> dict[str, float]:
+    """The equal-reward rules of ``module`` (a ``BraceModule``; ``equal_rewards.py``) on this step:
+    ``actor/skipped_equal_reward`` (1: the batch rule took the actor's step, else 0),
+    ``actor/skipped_equal_reward_total`` (the steps past the critic warm-up that published no
+    policy version: all skipped by the rule) and ``rollout/equal_reward_group_fraction`` (prompt
+    groups of two or more rows whose rewards are all equal; absent when there is none)."""
+    due_steps = max(0, module.rollout_step - module.critic_warmup_steps)
+    out = {
+        "actor/skipped_equal_reward": float(module.equal_rewards.skipped),
+        "actor/skipped_equal_reward_total": float(due_steps - module.policy_version),
+    }
+    fraction = equal_reward_group_fraction(batch.scores, batch.group_ids)
+    if not math.isnan(fraction):
+        out["rollout/equal_reward_group_fraction"] = fraction
     return out
 
 
@@ -232,6 +284,7 @@ def log_training_step(
         "policy_version": float(module.policy_version),
         **beta_metrics(module.horizon_beta, batch, scored.returns, module.value_target.gamma),
         **rollout_statistics(batch, scored.advantages),
+        **equal_reward_statistics(module, batch),
         **optimizer_statistics(module),
         **memory_statistics(module.device),
         **scoring,

@@ -126,17 +126,22 @@ class TIS(_Clipped):
 
 
 class DecoupledPPO(_Clipped):
-    """Decoupled PPO (AReaL): −(π_prox/µ)·min(r A, clip(r) A) (:func:`.functional.decoupled_ppo`).
+    """Decoupled PPO: −ω·min(r A, clip(r) A), ω from w = π_prox/µ (:func:`.functional.decoupled_ppo`).
 
-    The behavior weight w = π_prox/µ is always applied; the two thresholds bound it.
+    The behavior weight w is always applied. Two rules bound it, each named for what it does:
+    ``weight_cap`` C **truncates** (ω = min(w, C): every token keeps a loss, large weights count as
+    C; TIS-style, Yao et al. 2025); ``weight_mask_above`` M **masks** (tokens with w > M get no
+    loss, the others keep ω = w: AReaL's rule, its ``behav_imp_weight_cap``). Both together (M > C)
+    truncate at C and drop tokens above M. Overlays: ``configs/objectives/decoupled/truncated.yaml``
+    and ``decoupled/masked.yaml``.
 
     Args:
         clip_low: ε_low; the ratio π_θ/π_prox is clipped below at 1 − clip_low. In (0, 1).
         clip_high: ε_high; the ratio is clipped above at 1 + clip_high (clip-higher). Positive.
         dual_clip: c > 1: for A < 0 the token loss is capped at −c·A (Ye et al. 2020). None: off.
-        weight_cap: w is truncated at this value. Positive, or None for no truncation.
-        weight_mask_above: tokens with w above this value get no loss (they stay in the
-            denominator). Positive, or None for no masking.
+        weight_cap: truncation: w is cut to this value (TIS-style). Positive, or None for none.
+        weight_mask_above: masking (AReaL): tokens with w above this value get no loss (they stay
+            in the denominator). Positive and above ``weight_cap`` if both are set, or None.
     """
 
     def __init__(
@@ -151,6 +156,14 @@ class DecoupledPPO(_Clipped):
         super().__init__(clip_low=clip_low, clip_high=clip_high, dual_clip=dual_clip)
         _positive("weight_cap", weight_cap, optional=True)
         _positive("weight_mask_above", weight_mask_above, optional=True)
+        if weight_cap is not None and weight_mask_above is not None:
+            # Kept tokens have w <= weight_mask_above <= weight_cap: the cap would never act.
+            _require(
+                weight_mask_above > weight_cap,
+                "weight_mask_above",
+                weight_mask_above,
+                f"above weight_cap={weight_cap!r} when both are set (else the cap never acts)",
+            )
         self.weight_cap = weight_cap
         self.weight_mask_above = weight_mask_above
 
@@ -187,9 +200,9 @@ class PPOEWMA(DecoupledPPO):
         clip_low: ε_low; the ratio π_θ/π_prox is clipped below at 1 − clip_low. In (0, 1).
         clip_high: ε_high; the ratio is clipped above at 1 + clip_high (clip-higher). Positive.
         dual_clip: c > 1: for A < 0 the token loss is capped at −c·A (Ye et al. 2020). None: off.
-        weight_cap: w = π_prox/µ is truncated at this value. Positive, or None for no truncation.
-        weight_mask_above: tokens with w above this value get no loss (they stay in the
-            denominator). Positive, or None for no masking.
+        weight_cap: truncation: w = π_prox/µ is cut to this value. Positive, or None for none.
+        weight_mask_above: masking (AReaL): tokens with w above this value get no loss (they stay
+            in the denominator). Positive and above ``weight_cap`` if both are set, or None.
     """
 
     def __init__(

@@ -233,6 +233,8 @@ def decoupled_ppo(
 
     loss_t = ω_t · ppo_t,  ω_t = min(w_t, weight_cap) (or w_t if ``weight_cap`` is None),
     and loss_t = 0 where w_t > ``weight_mask_above`` (if set; the token stays in the denominator).
+    Two different rules: ``weight_cap`` *truncates* w (TIS-style: every token keeps a loss) and
+    ``weight_mask_above`` *masks* tokens (AReaL's ``behav_imp_weight_cap``: they lose their loss).
     ppo_t is :func:`ppo_clip`'s token loss. The weight is always applied and is a constant
     (no gradient).
 
@@ -247,8 +249,8 @@ def decoupled_ppo(
         advantages: ``[B, T]`` A.
         mask: ``[B, T]`` bool, True at actions.
         clip_low, clip_high, dual_clip: as in :func:`ppo_clip`.
-        weight_cap: truncation of w, or None.
-        weight_mask_above: tokens with w above it are rejected, or None.
+        weight_cap: truncation of w (TIS-style), or None.
+        weight_mask_above: masking: tokens with w above it are rejected (AReaL), or None.
 
     Returns:
         ``token_loss`` ``[B, T]``; :func:`ppo_clip`'s stats (clip counts over kept tokens) plus

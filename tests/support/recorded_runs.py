@@ -58,6 +58,9 @@ COMMON = (
     "--data.prompts_per_step=4",
     "--data.samples_per_prompt=4",
     "--data.engine.init_args.max_new_tokens=16",
+    # Every recorded batch has reward 0 (3 warm-start steps): without this the equal-reward rule
+    # would skip every actor step and the recordings would no longer pin the actor's path.
+    "--model.skip_equal_reward_batches=false",
 )
 WARM_START = (
     "--trainer.callbacks.init_args.num_pairs=256",
