@@ -10,7 +10,7 @@ module never reads ``trainer.lightning_module``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import lightning.pytorch as pl
@@ -29,7 +29,7 @@ from brace_lightning.rollout.engine import RolloutEngine
 from brace_lightning.rollout.multiturn import check_reward_or_env, collect_batch
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.seeds import run_seed
-from brace_lightning.tasks.base import PromptSource, RewardFunction
+from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
 
 EngineFactory = Callable[[nn.Module], RolloutEngine]
@@ -86,6 +86,21 @@ class PublishTarget(pl.LightningDataModule):
 class RolloutDataModuleBase(PublishTarget):
     """The arguments and hooks both rollout data modules share (see their docstrings for the
     arguments; ``lag`` and ``max_staleness`` are checked by each, their rules differ)."""
+
+    def collect(
+        self, engine: RolloutEngine, prompts: Sequence[Prompt], *, group_id_offset: int
+    ) -> RolloutBatch:
+        """Generate ``samples_per_prompt`` responses to each of ``prompts`` with ``engine`` and
+        score them (the task's reward, or the tool environment's episodes)."""
+        return collect_batch(
+            engine,
+            prompts,
+            self.tokenizer,
+            reward=self.reward,
+            env=self.env,
+            num_samples=self.samples_per_prompt,
+            group_id_offset=group_id_offset,
+        )
 
     def __init__(
         self,
@@ -228,14 +243,6 @@ class _ValidationRollouts(IterableDataset):
         try:
             for index in range(self.num_batches):
                 prompts = dm.task.sample(dm.prompts_per_step, generator)
-                yield collect_batch(
-                    engine,
-                    prompts,
-                    dm.tokenizer,
-                    reward=dm.reward,
-                    env=dm.env,
-                    num_samples=dm.samples_per_prompt,
-                    group_id_offset=index * len(prompts),
-                )
+                yield dm.collect(engine, prompts, group_id_offset=index * len(prompts))
         finally:
             engine.close()

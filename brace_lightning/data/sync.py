@@ -26,7 +26,6 @@ from brace_lightning.data.base import COUNTERS, EngineFactory, RolloutDataModule
 from brace_lightning.rollout.buffer import split_stale
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
-from brace_lightning.rollout.multiturn import collect_batch
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.tasks.base import PromptSource, RewardFunction
 from brace_lightning.tasks.env import ToolEnvironment
@@ -209,15 +208,7 @@ class RolloutDataModule(RolloutDataModuleBase):
         """Generate, score and staleness-check one rollout batch."""
         engine = self._ensure_engine()
         prompts = self.task.sample(self.prompts_per_step, self._generator)
-        batch = collect_batch(
-            engine,
-            prompts,
-            self.tokenizer,
-            reward=self.reward,
-            env=self.env,
-            num_samples=self.samples_per_prompt,
-            group_id_offset=self._next_group,
-        )
+        batch = self.collect(engine, prompts, group_id_offset=self._next_group)
         self._next_group += len(prompts)
         dropped_reward = int(batch.info.get("dropped_reward_error", 0))
         batch, report = split_stale(batch, self.trainer_version, self.max_staleness)
