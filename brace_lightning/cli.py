@@ -10,6 +10,12 @@ brace-lightning export --ckpt_path runs/.../checkpoints/last.ckpt --out exported
 ``data`` is any data module given by ``class_path`` + ``init_args`` in the recipe, or by short name
 (``--data RolloutDataModule``, ``--data AsyncRolloutDataModule``; ``--data.help RolloutDataModule``
 lists its arguments), and ``--data.max_staleness 4`` style overrides still work.
+
+Resume (``fit --ckpt_path CKPT``) builds the model from the checkpoint's saved hyperparameters. A
+model option given explicitly, on the command line or in a ``--config`` file, whose value differs
+from the checkpoint's is refused in one sentence (exit 2) naming the option, the given value and the
+checkpoint's, rather than silently replaced by the checkpoint's: resume with the checkpoint's value
+(or leave the option out) or start a new run.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import os
 import sys
 from typing import Any
 
+from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -29,6 +36,7 @@ from brace_lightning.cli_errors import (
     check_engine_factory,
     construction_errors,
     fail,
+    overridden_option,
 )
 from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
@@ -66,14 +74,44 @@ class BraceCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, then refuse a ``--ckpt_path`` that is not a readable checkpoint with one sentence
-        (``checkpoints.py``), before LightningCLI reads its hyperparameters or builds a model."""
+        (``checkpoints.py``), before LightningCLI reads its hyperparameters or builds a model.
+
+        With a ``--ckpt_path``, the ``model.*`` options given explicitly (command line and
+        ``--config`` files, without the defaults) are kept for :meth:`_parse_ckpt_path`.
+        """
         super().parse_arguments(parser, args)
+        self._explicit_model_options: list[str] = []
         subcommand = self.config.get("subcommand")
         if subcommand:
+            ckpt_path = self.config[subcommand].get("ckpt_path")
             try:
-                check_ckpt_path(self.config[subcommand].get("ckpt_path"))
+                check_ckpt_path(ckpt_path)
             except ValueError as error:
                 fail(parser, str(error))
+            if ckpt_path:
+                if isinstance(args, dict | Namespace):
+                    explicit = parser.parse_object(args, defaults=False)
+                else:
+                    explicit = parser.parse_args(args, defaults=False)
+                keys = explicit[subcommand].keys() if subcommand in explicit else []
+                self._explicit_model_options = [k for k in keys if k.startswith("model.")]
+
+    def _parse_ckpt_path(self) -> None:
+        """Copy the checkpoint's hyperparameters into the config (LightningCLI), then refuse an
+        explicit model option whose value they replaced, in one sentence (exit 2)."""
+        given = self.config.clone()
+        super()._parse_ckpt_path()
+        subcommand = self.config.get("subcommand")
+        if not subcommand or not self._explicit_model_options:
+            return
+        refusal = overridden_option(
+            self._explicit_model_options,
+            given[subcommand],
+            self.config[subcommand],
+            self.config[subcommand].get("ckpt_path"),
+        )
+        if refusal is not None:
+            fail(self.parser, refusal)
 
     def before_instantiate_classes(self) -> None:
         """Name the TensorBoard run by task, target, objective and staleness (``run_names.py``)."""

@@ -10,6 +10,10 @@ option is the config key of that class whose name the sentence mentions.
 
 :func:`check_config_files` reads every ``--config`` file as YAML before the parser does, so a
 malformed file is reported with its path (the parser only names ``"<unicode string>"``).
+
+:func:`overridden_option` finds, on resume, a model option given explicitly whose value the
+checkpoint's saved hyperparameters would replace (``fit --ckpt_path CKPT --model.value_target GAE``
+on a BRACE checkpoint), for the CLI to refuse in one sentence.
 """
 
 from __future__ import annotations
@@ -143,3 +147,32 @@ def check_config_files(args: Sequence[str]) -> None:
             where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
             problem = getattr(error, "problem", None) or str(error).splitlines()[0]
             fail(None, f"--config {path}: not valid YAML{where} ({problem}).")
+
+
+def overridden_option(
+    explicit: Sequence[str], given: Any, saved: Any, ckpt_path: str | Path
+) -> str | None:
+    """The sentence refusing the first of the ``explicit`` model options whose value in ``given``
+    (the parsed command line and ``--config`` files) differs from ``saved`` (the same config after
+    LightningCLI copied the checkpoint's hyperparameters into it), or None when none differs.
+
+    Args:
+        explicit: flattened ``model.*`` keys given on the command line or in a ``--config`` file
+            (a ``parse_args(defaults=False)``), in the order given.
+        given: the subcommand's config namespace before the copy.
+        saved: the same namespace after the copy.
+        ckpt_path: the checkpoint, named in the sentence.
+    """
+    for key in explicit:
+        mine, theirs = given.get(key), saved.get(key)
+        if key in saved and mine == theirs:
+            continue
+        if key not in saved and ".init_args." in key:  # the checkpoint's component is another class
+            key = key.split(".init_args.")[0] + ".class_path"
+            mine, theirs = given.get(key), saved.get(key)
+        option = key.removesuffix(".class_path")
+        return (
+            f"--{option}={mine} differs from the value {theirs} saved in "
+            f"ckpt_path={str(ckpt_path)!r}: resume with the checkpoint's value or start a new run."
+        )
+    return None

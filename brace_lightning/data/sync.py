@@ -10,6 +10,9 @@ independent of timing, so staleness sweeps are reproducible on any machine.
 Staleness is re-checked when a batch is handed to the trainer: a row whose oldest token is more
 than ``max_staleness`` versions old is dropped and counted (``dropped_stale``). Counts are conserved:
 generated = trained + dropped (by reason); this module buffers nothing between steps.
+
+The engine is closed (its servers stopped, its temporary folders deleted) by ``teardown`` at the end
+of ``fit``/``validate`` and by ``on_exception`` when they fail or are interrupted.
 """
 
 from __future__ import annotations
@@ -111,6 +114,15 @@ class RolloutDataModule(RolloutDataModuleBase):
     def teardown(self, stage: str) -> None:
         if self.engine is not None:
             self.engine.close()
+
+    def on_exception(self, exception: BaseException) -> None:
+        """Stop the engine when ``fit`` or ``validate`` fails or is interrupted: Lightning skips
+        ``teardown`` then, and a launched vLLM server, its engine processes and the engine's
+        temporary model and weight copies would outlive the error. A later batch builds a new one.
+        """
+        engine, self.engine = self.engine, None
+        if engine is not None:
+            engine.close()
 
     def state_dict(self) -> dict[str, Any]:
         return self._gather_rank_states(self._local_state_dict())

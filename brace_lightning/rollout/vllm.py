@@ -32,6 +32,7 @@ import os
 import random
 import shutil
 import tempfile
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -312,25 +313,34 @@ class VLLMEngine(SeededRequestEngine):
         )
         vllm = import_vllm()
         self._folder = tempfile.mkdtemp(prefix="brace_vllm_")
-        save_for_engine(model, self._folder)
+        # The model copy goes with close(), a failed constructor, garbage collection or the
+        # interpreter's exit, whichever comes first.
+        self._remove_folder = weakref.finalize(
+            self, shutil.rmtree, self._folder, ignore_errors=True
+        )
         config = getattr(model, "config", None)
         limit = max_model_len or getattr(config, "max_position_embeddings", None)
         cuda = torch.cuda.is_available()
-        # vLLM seeds the process's global generators when its engine core runs in-process; the
-        # trainer's random streams must not depend on whether (or when) an engine was built.
-        with preserved_global_rng():
-            self._llm = vllm.LLM(
-                model=self._folder,
-                skip_tokenizer_init=True,
-                dtype=dtype,
-                seed=self.seed,
-                max_model_len=limit,
-                enforce_eager=enforce_eager or not cuda,
-                tensor_parallel_size=tensor_parallel_size,
-                logprobs_mode="processed_logprobs",
-                **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
-                **(engine_kwargs or {}),
-            )
+        try:
+            save_for_engine(model, self._folder)
+            # vLLM seeds the process's global generators when its engine core runs in-process;
+            # the trainer's random streams must not depend on whether (or when) an engine was built.
+            with preserved_global_rng():
+                self._llm = vllm.LLM(
+                    model=self._folder,
+                    skip_tokenizer_init=True,
+                    dtype=dtype,
+                    seed=self.seed,
+                    max_model_len=limit,
+                    enforce_eager=enforce_eager or not cuda,
+                    tensor_parallel_size=tensor_parallel_size,
+                    logprobs_mode="processed_logprobs",
+                    **({"gpu_memory_utilization": gpu_memory_utilization} if cuda else {}),
+                    **(engine_kwargs or {}),
+                )
+        except BaseException:
+            self.close()
+            raise
         if not vllm.envs.VLLM_ENABLE_V1_MULTIPROCESSING:
             _IN_PROCESS_ENGINES.add(id(self))
         #: Set when a bucket stream failed part-way: vLLM then holds a mix of old and new weights.
@@ -501,7 +511,7 @@ class VLLMEngine(SeededRequestEngine):
             if shutdown is not None:
                 with _parallel_state_kept() if _IN_PROCESS_ENGINES else contextlib.nullcontext():
                     shutdown()
-        shutil.rmtree(self._folder, ignore_errors=True)
+        self._remove_folder()
 
 
 class BucketStream:

@@ -49,6 +49,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -137,7 +138,11 @@ class VLLMServer:
             self.process = subprocess.Popen(
                 command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
             )
-        self._wait_ready(startup_timeout)
+        try:
+            self._wait_ready(startup_timeout)
+        except BaseException:  # also Ctrl-C while waiting: no server outlives a failed start
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -258,23 +263,30 @@ class VLLMServerEngine(SeededRequestEngine):
         self.request_timeout = float(request_timeout)
         self._owned_dirs: list[str] = []
         self._servers: list[VLLMServer] = []
-        if weights_dir is None:
-            weights_dir = tempfile.mkdtemp(prefix="brace_vllm_weights_")
-            self._owned_dirs.append(weights_dir)
-        self.weights_dir = Path(weights_dir)
-        if urls is None:
-            folder = tempfile.mkdtemp(prefix="brace_vllm_model_")
-            self._owned_dirs.append(folder)
-            save_for_engine(model, folder)
-            _save_tokenizer(model, tokenizer, folder)
-            self._servers.append(
-                VLLMServer(folder, args=server_args, startup_timeout=startup_timeout)
-            )
-            urls = [self._servers[0].url]
-        self.urls = [u.rstrip("/") for u in urls]
-        self._models = [self._served_model(url) for url in self.urls]
-        for url in self.urls:
-            self._post(url, "/update_weight_version", {"new_version": str(self._version)})
+        # What this engine started goes with close(), a failed constructor, garbage collection
+        # or the interpreter's exit, whichever comes first.
+        self._release = weakref.finalize(self, _release, self._servers, self._owned_dirs)
+        try:
+            if weights_dir is None:
+                weights_dir = tempfile.mkdtemp(prefix="brace_vllm_weights_")
+                self._owned_dirs.append(weights_dir)
+            self.weights_dir = Path(weights_dir)
+            if urls is None:
+                folder = tempfile.mkdtemp(prefix="brace_vllm_model_")
+                self._owned_dirs.append(folder)
+                save_for_engine(model, folder)
+                _save_tokenizer(model, tokenizer, folder)
+                self._servers.append(
+                    VLLMServer(folder, args=server_args, startup_timeout=startup_timeout)
+                )
+                urls = [self._servers[0].url]
+            self.urls = [u.rstrip("/") for u in urls]
+            self._models = [self._served_model(url) for url in self.urls]
+            for url in self.urls:
+                self._post(url, "/update_weight_version", {"new_version": str(self._version)})
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------ HTTP
 
@@ -426,13 +438,17 @@ class VLLMServerEngine(SeededRequestEngine):
         return result
 
     def close(self) -> None:
-        """Stop the servers this engine launched and delete its temporary folders."""
-        for server in self._servers:
-            server.stop()
-        self._servers = []
-        for folder in self._owned_dirs:
-            shutil.rmtree(folder, ignore_errors=True)
-        self._owned_dirs = []
+        """Stop the servers this engine launched and delete its temporary folders (once)."""
+        self._release()
+
+
+def _release(servers: list[VLLMServer], folders: list[str]) -> None:
+    """Stop a :class:`VLLMServerEngine`'s launched ``servers`` and delete its temporary ``folders``,
+    emptying both lists."""
+    while servers:
+        servers.pop().stop()
+    while folders:
+        shutil.rmtree(folders.pop(), ignore_errors=True)
 
 
 def _save_tokenizer(model: nn.Module, source: str | None, folder: str) -> None:
