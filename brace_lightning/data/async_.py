@@ -120,6 +120,11 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             the current weights (not by the producer); 0 = no validation.
         max_consecutive_empty_batches: a batch with no sample left to train on (all dropped) is
             skipped and counted in ``count/empty_batches``; this many in a row stop the run.
+        reward_timeout: seconds the verifier (``reward`` or ``env``) may take per sample; a call
+            that does not return in time is abandoned (its thread keeps running, at most
+            ``rollout.reward_timeout.MAX_ABANDONED`` of them) and its sample dropped and counted in
+            ``dropped_reward_error``; a batch whose every sample timed out stops the run. None =
+            no limit (the verifier is called inline).
     """
 
     def __init__(
@@ -141,6 +146,7 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
         seed: int | None = None,
         val_batches: int = 0,
         max_consecutive_empty_batches: int = 10,
+        reward_timeout: float | None = None,
     ) -> None:
         super().__init__(
             task=task,
@@ -155,6 +161,7 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             seed=seed,
             val_batches=val_batches,
             max_consecutive_empty_batches=max_consecutive_empty_batches,
+            reward_timeout=reward_timeout,
         )
         require_int("max_staleness", max_staleness, 0)
         require_int("producer_threads", producer_threads, 1)
@@ -271,6 +278,7 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             interruptible=self.interruptible,
             torch_threads=self.producer_threads,
             seed_offset=0 if self.trainer is None else self.trainer.global_rank,
+            reward_timeout=self.reward_timeout,
         )
 
     def _spawn(self) -> None:

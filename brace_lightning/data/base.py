@@ -27,6 +27,7 @@ from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
 from brace_lightning.rollout.multiturn import check_reward_or_env, collect_batch
+from brace_lightning.rollout.reward_timeout import check_reward_timeout
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.seeds import run_seed
 from brace_lightning.tasks.base import Prompt, PromptSource, RewardFunction
@@ -85,7 +86,11 @@ class PublishTarget(pl.LightningDataModule):
 
 class RolloutDataModuleBase(PublishTarget):
     """The arguments and hooks both rollout data modules share (see their docstrings for the
-    arguments; ``lag`` and ``max_staleness`` are checked by each, their rules differ)."""
+    arguments; ``lag`` and ``max_staleness`` are checked by each, their rules differ).
+
+    ``reward_timeout`` (seconds per sample, None = no limit) bounds every verifier call of
+    training and validation rollouts (``rollout/reward_timeout.py``).
+    """
 
     def collect(
         self, engine: RolloutEngine, prompts: Sequence[Prompt], *, group_id_offset: int
@@ -100,6 +105,7 @@ class RolloutDataModuleBase(PublishTarget):
             env=self.env,
             num_samples=self.samples_per_prompt,
             group_id_offset=group_id_offset,
+            reward_timeout=self.reward_timeout,
         )
 
     def __init__(
@@ -117,6 +123,7 @@ class RolloutDataModuleBase(PublishTarget):
         seed: int | None,
         val_batches: int,
         max_consecutive_empty_batches: int,
+        reward_timeout: float | None = None,
     ) -> None:
         super().__init__()
         self._empty = EmptyBatchGuard(max_consecutive_empty_batches)
@@ -128,6 +135,7 @@ class RolloutDataModuleBase(PublishTarget):
         ):
             require_int(name, value, low)
         check_reward_or_env(reward, env)
+        self.reward_timeout = check_reward_timeout(reward_timeout)
         self.task = task
         self.reward = reward
         self.env = env

@@ -63,6 +63,11 @@ class RolloutDataModule(RolloutDataModuleBase):
             fixed prompts each time; 0 = no validation.
         max_consecutive_empty_batches: a batch with no sample left to train on (all dropped) is
             skipped and counted in ``count/empty_batches``; this many in a row stop the run.
+        reward_timeout: seconds the verifier (``reward`` or ``env``) may take per sample; a call
+            that does not return in time is abandoned (its thread keeps running, at most
+            ``rollout.reward_timeout.MAX_ABANDONED`` of them) and its sample dropped and counted in
+            ``dropped_reward_error``; a batch whose every sample timed out stops the run. None =
+            no limit (the verifier is called inline).
     """
 
     def __init__(
@@ -80,6 +85,7 @@ class RolloutDataModule(RolloutDataModuleBase):
         seed: int | None = None,
         val_batches: int = 0,
         max_consecutive_empty_batches: int = 10,
+        reward_timeout: float | None = None,
     ) -> None:
         super().__init__(
             task=task,
@@ -94,6 +100,7 @@ class RolloutDataModule(RolloutDataModuleBase):
             seed=seed,
             val_batches=val_batches,
             max_consecutive_empty_batches=max_consecutive_empty_batches,
+            reward_timeout=reward_timeout,
         )
         require_int("lag", lag, 0)
         if max_staleness is not None and (

@@ -8,18 +8,27 @@ column, the verifier's reward on the last action token).
 A reward function that raises (or returns a non-finite or non-numeric value) does not stop the run
 and its sample is not given a made-up reward: the sample is dropped and counted in
 ``batch.info["dropped_reward_error"]`` so that ``generated = kept + dropped`` stays visible.
+With ``reward_timeout`` set, a call that does not return within that many seconds is abandoned and
+its sample dropped and counted the same way (also in ``batch.info["reward_timeouts"]``); a batch
+whose every sample timed out ends the run with one sentence (``rollout/reward_timeout.py``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
+from brace_lightning.rollout.reward_timeout import (
+    RewardDeadline,
+    RewardTimeout,
+    TooManyHungRewards,
+)
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.tasks.base import Prompt, RewardFunction, encode_prompts
 
@@ -34,6 +43,8 @@ def collect_rollouts(
     *,
     num_samples: int = 1,
     group_id_offset: int = 0,
+    reward_timeout: float | None = None,
+    heartbeat: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """Generate, score and pad ``num_samples`` responses for each prompt.
 
@@ -46,6 +57,9 @@ def collect_rollouts(
         num_samples: responses per prompt; they share a group id.
         group_id_offset: added to the prompt index to form ``group_ids`` (keeps ids unique across
             batches that are later mixed).
+        reward_timeout: seconds each sample's scoring may take (None = no limit); see
+            :func:`score_and_pad`.
+        heartbeat: called while a timed reward call is awaited (see :func:`score_and_pad`).
 
     Returns:
         A :class:`RolloutBatch` with ``B = kept samples`` rows and ``T = longest prompt + longest
@@ -67,7 +81,16 @@ def collect_rollouts(
             f"collect_rollouts got {len(out)} samples from the engine; expected "
             f"{len(prompts) * num_samples} (prompts x num_samples)."
         )
-    return score_and_pad(out, prompts, tokenizer, reward_fn, pad_id, group_id_offset)
+    return score_and_pad(
+        out,
+        prompts,
+        tokenizer,
+        reward_fn,
+        pad_id,
+        group_id_offset,
+        reward_timeout=reward_timeout,
+        heartbeat=heartbeat,
+    )
 
 
 def padding_id(tokenizer: PreTrainedTokenizerBase, caller: str) -> int:
@@ -90,34 +113,54 @@ def score_and_pad(
     reward_fn: RewardFunction,
     pad_id: int,
     group_id_offset: int,
+    *,
+    reward_timeout: float | None = None,
+    heartbeat: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """Score every sample of ``out`` (dropping and counting reward errors) and pad the kept ones.
 
     The reward function sees the decoded response (special tokens skipped; tool observations of a
     multi-turn episode included). ``batch.info`` gets the counters listed in
     :func:`collect_rollouts`; response lengths count every response token, observations included.
+    With ``reward_timeout`` (seconds, checked by the data modules) each sample's ``reward_fn`` and
+    ``is_correct`` calls run in a worker thread; a sample whose calls do not return in time is
+    dropped, counted in ``dropped_reward_error`` and in ``info["reward_timeouts"]``; ``heartbeat``
+    is called while a call is awaited (:class:`~brace_lightning.rollout.reward_timeout.RewardDeadline`).
+
+    Raises:
+        RuntimeError: when every sample of the batch timed out (the verifier is hung, not slow on
+            a few answers), or when too many abandoned calls are still running
+            (:data:`~brace_lightning.rollout.reward_timeout.MAX_ABANDONED`).
     """
     texts = tokenizer.batch_decode(out.response_ids, skip_special_tokens=True)
     kept, scores, correct = [], [], []
-    dropped = 0
-    for i, (index, text) in enumerate(zip(out.prompt_index, texts, strict=True)):
-        prompt = prompts[index]
-        try:
-            score = reward_fn(prompt, text)
-            if (
-                isinstance(score, bool)
-                or not isinstance(score, int | float)
-                or not math.isfinite(score)
-            ):
-                raise ValueError(f"reward function returned {score!r}; expected a finite float.")
-            is_correct = bool(reward_fn.is_correct(prompt, text))
-        except Exception as error:  # a user's verifier must not kill the run
-            dropped += 1
-            logger.warning("Dropping sample %d (prompt %d): reward error: %r", i, index, error)
-            continue
-        kept.append(i)
-        scores.append(float(score))
-        correct.append(is_correct)
+    dropped = timed_out = 0
+    name = type(reward_fn).__name__
+    deadline = None if reward_timeout is None else RewardDeadline(reward_timeout, name, heartbeat)
+    with deadline or contextlib.nullcontext():
+        for i, (index, text) in enumerate(zip(out.prompt_index, texts, strict=True)):
+            prompt = prompts[index]
+            try:
+                if deadline is None:
+                    score, is_correct = _score(reward_fn, prompt, text)
+                else:
+                    score, is_correct = deadline.call(_score, reward_fn, prompt, text)
+            except TooManyHungRewards:
+                raise
+            except Exception as error:  # a user's verifier must not kill the run
+                dropped += 1
+                timed_out += isinstance(error, RewardTimeout)
+                logger.warning("Dropping sample %d (prompt %d): reward error: %r", i, index, error)
+                continue
+            kept.append(i)
+            scores.append(score)
+            correct.append(is_correct)
+    if timed_out and timed_out == len(out):
+        raise RuntimeError(
+            f"every one of the {len(out)} samples of a rollout batch timed out in the reward "
+            f"{name} (reward_timeout={reward_timeout:g} s); check that the verifier returns (a "
+            "server it needs may be down), or raise reward_timeout if it is only slow."
+        )
     batch = _pad(out, kept, scores, correct, pad_id, group_id_offset)
     lengths = [len(out.response_ids[i]) for i in kept]
     batch.info.update(
@@ -132,7 +175,21 @@ def score_and_pad(
         mean_score=sum(scores) / len(scores) if scores else 0.0,
         accuracy=sum(correct) / len(correct) if correct else 0.0,
     )
+    if reward_timeout is not None:  # absent otherwise: runs without a timeout log what they did
+        batch.info["reward_timeouts"] = float(timed_out)
     return batch
+
+
+def _score(reward_fn: RewardFunction, prompt: Prompt, text: str) -> tuple[float, bool]:
+    """``(reward, is_correct)`` of one sample.
+
+    Raises:
+        ValueError: when the reward is not a finite int or float (bool excluded).
+    """
+    score = reward_fn(prompt, text)
+    if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
+        raise ValueError(f"reward function returned {score!r}; expected a finite float.")
+    return float(score), bool(reward_fn.is_correct(prompt, text))
 
 
 def generation_batch(out: GenerationOutput, pad_id: int = 0) -> RolloutBatch:

@@ -25,14 +25,15 @@ the environment's ``max_response_tokens`` (``"length"``), or at a tool call beyo
 (``"length"``, unanswered). An ``observe`` that raises does not end anything: the call is answered
 with the environment's error observation and counted in ``info["tool_errors"]``. The rows are then
 scored and padded exactly like single-turn rollouts (``collect.score_and_pad``): the verifier's
-reward sits on the last action token, verifier errors drop the sample and are counted.
+reward sits on the last action token, verifier errors (and, with ``reward_timeout``, verifier calls
+that do not return in time) drop the sample and are counted.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -136,6 +137,8 @@ def collect_episodes(
     *,
     num_samples: int = 1,
     group_id_offset: int = 0,
+    reward_timeout: float | None = None,
+    heartbeat: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """Run ``num_samples`` multi-turn episodes per prompt in ``env``, score and pad them.
 
@@ -148,6 +151,9 @@ def collect_episodes(
         env: the environment (tool, budgets, verifier).
         num_samples: episodes per prompt; they share a group id.
         group_id_offset: added to the prompt index to form ``group_ids``.
+        reward_timeout: seconds the verifier may take per episode (None = no limit); see
+            :func:`~brace_lightning.rollout.collect.score_and_pad`.
+        heartbeat: called while a timed verifier call is awaited.
 
     Returns:
         A :class:`RolloutBatch` in the layout of ``collect_rollouts`` (``mask`` False at
@@ -227,7 +233,16 @@ def collect_episodes(
         entropy=[e.entropy for e in episodes] if entropy_known else None,
         action_mask=[e.actions for e in episodes],
     )
-    batch = score_and_pad(generated, prompts, tokenizer, env, pad_id, group_id_offset)
+    batch = score_and_pad(
+        generated,
+        prompts,
+        tokenizer,
+        env,
+        pad_id,
+        group_id_offset,
+        reward_timeout=reward_timeout,
+        heartbeat=heartbeat,
+    )
     # Observation tokens are the non-action tokens after a row's first action; one run per call.
     observed = batch.attention_mask & ~batch.mask & (batch.mask.cumsum(dim=1) > 0)
     starts = observed & ~torch.nn.functional.pad(observed, (1, 0))[:, :-1]
@@ -275,9 +290,13 @@ def collect_batch(
     env: ToolEnvironment | None,
     num_samples: int = 1,
     group_id_offset: int = 0,
+    reward_timeout: float | None = None,
+    heartbeat: Callable[[], None] | None = None,
 ) -> RolloutBatch:
     """One rollout batch: multi-turn episodes in ``env`` when it is set (scored by its verifier),
-    else single-turn responses scored by ``reward`` (:func:`collect_rollouts`).
+    else single-turn responses scored by ``reward`` (:func:`collect_rollouts`); a verifier call
+    that runs past ``reward_timeout`` seconds drops its sample (``rollout/reward_timeout.py``;
+    ``heartbeat`` is called while such a call is awaited).
 
     ``batch.info`` gets the batch's wall time (``generate_s``: generation, tools and scoring) and
     ``gen_tokens_per_s`` (generated action tokens per second).
@@ -291,6 +310,8 @@ def collect_batch(
             env,
             num_samples=num_samples,
             group_id_offset=group_id_offset,
+            reward_timeout=reward_timeout,
+            heartbeat=heartbeat,
         )
     else:
         assert reward is not None, "the data modules check that reward or env is set"
@@ -301,6 +322,8 @@ def collect_batch(
             reward,
             num_samples=num_samples,
             group_id_offset=group_id_offset,
+            reward_timeout=reward_timeout,
+            heartbeat=heartbeat,
         )
     seconds = time.monotonic() - start
     batch.info.update(generate_s=seconds, gen_tokens_per_s=batch.num_actions / max(seconds, 1e-9))

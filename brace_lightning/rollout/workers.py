@@ -124,6 +124,8 @@ class ProducerSpec:
         torch_threads: ``torch.set_num_threads`` of a spawned producer.
         env: multi-turn tool environment (episodes of ``collect_episodes``); None = single-turn.
         seed_offset: the engine samples from ``seed + seed_offset`` (the data-parallel rank).
+        reward_timeout: seconds the verifier may take per sample before the sample is dropped
+            (None = no limit; ``rollout/reward_timeout.py``).
     """
 
     engine_factory: EngineFactory | None
@@ -135,6 +137,7 @@ class ProducerSpec:
     torch_threads: int = 1
     env: ToolEnvironment | None = None
     seed_offset: int = 0
+    reward_timeout: float | None = None
 
 
 def portable_factory(factory: EngineFactory | None) -> EngineFactory | None:
@@ -429,6 +432,8 @@ class Producer:
             env=self.spec.env,
             num_samples=self.spec.samples_per_prompt,
             group_id_offset=request.group_id_offset,
+            reward_timeout=self.spec.reward_timeout,
+            heartbeat=self._beat,  # a verifier call, bounded by reward_timeout, is not a hang
         )
         batch.info.update(
             temperature=float(self.engine.temperature),

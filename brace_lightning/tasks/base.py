@@ -180,6 +180,13 @@ class RewardFunction(ABC):
     ``__call__`` returns the scalar reward that is placed on the last action token. ``is_correct``
     says whether the answer is right (used for accuracy logging); the default treats any positive
     reward as correct, so override it when shaping gives partial credit.
+
+    A reward that raises or returns a non-finite value drops its sample (counted in
+    ``dropped_reward_error``). A reward that may not return (a verifier that hangs on a
+    pathological answer) needs the data module's ``reward_timeout``: both calls of one sample then
+    run in a worker thread, one sample at a time, and are abandoned after that many seconds; an
+    abandoned call keeps running (Python cannot stop a thread), so a reward that can hang should
+    still bound its own work (``rollout/reward_timeout.py``).
     """
 
     @abstractmethod
