@@ -669,3 +669,9 @@ def test_readme_python_snippet_runs(snippet) -> None:
         assert tensor.shape == mask.shape
         assert torch.all(tensor[~mask] == 0)
         assert torch.all(torch.isfinite(tensor))
+
+
+def test_the_readme_stays_a_guide_of_at_most_200_lines() -> None:
+    """README.md is the newcomer's guide; tables, results and architecture live in docs/."""
+    lines = (REPO / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines; move detail to docs/"
