@@ -198,7 +198,7 @@ class BraceModule(pl.LightningModule):
         self.ewma: EwmaPolicy | None = None
         if actor_objective.ewma_decay is not None:
             self.ewma = EwmaPolicy(self.actor, actor_objective.ewma_decay)
-        # Only with kl_coef > 0; captured at the first training step (_capture_reference).
+        # Only with kl_coef > 0; captured at the first training step (_next_batch).
         self.reference = ReferencePolicy(self.actor) if self.kl_coef > 0 else None
         # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
         self.horizon_beta = HorizonBeta()

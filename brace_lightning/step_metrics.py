@@ -32,6 +32,7 @@ from brace_lightning.metrics import HorizonBeta
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.objectives.functional import MAX_LOG_RATIO
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.scorer import Scored
 
 #: ``data/*`` entries of the batch info that repeat a ``rollout/*`` metric under another name
 #: (``truncated_fraction`` is logged as ``rollout/length_capped_fraction``).
@@ -264,7 +265,7 @@ def info_metrics(batch: RolloutBatch) -> dict[str, float]:
 def log_training_step(
     module: Any,
     batch: RolloutBatch,
-    scored: Any,
+    scored: Scored,
     stats: UpdateStats,
     scoring: dict[str, float],
     timer: PhaseTimer,
