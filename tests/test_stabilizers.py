@@ -9,6 +9,7 @@ import math
 import pytest
 import torch
 
+from brace_lightning.objectives import GSPO
 from brace_lightning.targets import GAE
 from brace_lightning.targets.functional import gae
 from tests.support.reference_targets import reference_targets
@@ -28,7 +29,11 @@ def test_gae_rho_in_advantage_matches_a_float64_loop(rho_bar):
         rho = min(rho_bar, math.exp(float(target[b, t]) - float(behavior[b, t])))
         expected[b, t] = rho * float(ref_adv[b, t])
     out = GAE(gamma=0.99, lmbda=0.95, rho_in_advantage=True, rho_bar=rho_bar)(
-        rewards=rewards, values=values, target_logprobs=target, behavior_logprobs=behavior, mask=mask
+        rewards=rewards,
+        values=values,
+        target_logprobs=target,
+        behavior_logprobs=behavior,
+        mask=mask,
     )
     assert_close(out.advantages, expected, torch.float64)
     assert_close(out.returns, ref_ret, torch.float64)  # the critic's target never changes
@@ -40,7 +45,10 @@ def test_gae_without_rho_is_the_kernel_bit_for_bit_and_ignores_the_weights():
     rewards, values, target, behavior = random_inputs(mask, seed=4)
     plain = gae(rewards, values, mask, gamma=0.9, lmbda=0.8)
     out = GAE(gamma=0.9, lmbda=0.8)(
-        rewards=rewards, values=values, target_logprobs=target * 7, behavior_logprobs=behavior,
+        rewards=rewards,
+        values=values,
+        target_logprobs=target * 7,
+        behavior_logprobs=behavior,
         mask=mask,
     )
     assert torch.equal(out.advantages, plain.advantages) and torch.equal(out.returns, plain.returns)
@@ -69,3 +77,117 @@ def test_gae_rho_ignores_garbage_at_non_actions():
 def test_gae_rho_arguments_are_checked_in_one_sentence(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GAE(**kwargs)
+
+
+# --------------------------------------------------------------------------- GSPO
+
+
+def _gspo_batch(seed: int, *, constant_advantage: bool = False):
+    mask = layout_mask(12)
+    g = torch.Generator().manual_seed(seed)
+    shape = mask.shape
+    proximal = -torch.rand(shape, generator=g, dtype=torch.float64) * 2 - 0.1
+    logprobs = proximal + torch.randn(shape, generator=g, dtype=torch.float64) * 0.02
+    behavior = proximal + torch.randn(shape, generator=g, dtype=torch.float64) * 0.5
+    advantages = torch.randn(shape, generator=g, dtype=torch.float64)
+    if constant_advantage:
+        advantages = advantages[:, :1].expand(shape).clone()
+    return logprobs.requires_grad_(), proximal, behavior, advantages, mask
+
+
+def _gspo_reference(logprobs, proximal, behavior, advantages, mask, clip_low, clip_high, cap):
+    """Sequence-level GSPO written from its definition: per row s_i (differentiable through the
+    row's mean log-ratio), per token −min(s_i A_t, clip(s_i) A_t), times min(w_i, C)."""
+    rows = []
+    for b in range(mask.shape[0]):
+        cols = [t for t in range(mask.shape[1]) if bool(mask[b, t])]
+        row = [torch.zeros((), dtype=torch.float64) for _ in range(mask.shape[1])]
+        if cols:
+            s = torch.exp(sum(logprobs[b, t] - float(proximal[b, t]) for t in cols) / len(cols))
+            w = math.exp(sum(float(proximal[b, t] - behavior[b, t]) for t in cols) / len(cols))
+            weight = 1.0 if cap is None else min(w, cap)
+            s_clipped = torch.clamp(s, 1 - clip_low, 1 + clip_high)
+            for t in cols:
+                a = float(advantages[b, t])
+                row[t] = -weight * torch.minimum(s * a, s_clipped * a)
+        rows.append(torch.stack(row))
+    return torch.stack(rows)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", [None, 1.1])
+@pytest.mark.parametrize("clip", [(3e-4, 4e-4), (0.2, 0.28)])
+def test_gspo_matches_the_sequence_definition_in_float64(cap, clip):
+    """Loss values always; the gradient where GSPO-token and GSPO agree: advantages constant
+    along each row."""
+    logprobs, proximal, behavior, advantages, mask = _gspo_batch(0, constant_advantage=True)
+    out = GSPO(clip_low=clip[0], clip_high=clip[1], behavior_weight_cap=cap)(
+        logprobs=logprobs, proximal_logprobs=proximal, behavior_logprobs=behavior,
+        advantages=advantages, mask=mask,
+    )  # fmt: skip
+    ref = _gspo_reference(logprobs, proximal, behavior, advantages, mask, *clip, cap)
+    assert_close(out.token_loss.detach(), ref.detach(), torch.float64)
+    (grad,) = torch.autograd.grad(out.token_loss.sum(), logprobs)
+    (ref_grad,) = torch.autograd.grad(ref.sum(), logprobs)
+    assert_close(grad, ref_grad, torch.float64)
+    clipped = out.stats["clip_low_count"] + out.stats["clip_high_count"]
+    if clip[0] < 1e-3:
+        assert 0 < clipped < mask.sum()  # the test reaches both branches
+    if cap is not None:
+        assert 0 < out.stats["truncated_count"] < mask.sum()
+
+
+@pytest.mark.slow
+def test_gspo_token_gradient_keeps_each_tokens_advantage():
+    """With per-token advantages: ∂loss_t/∂log π_θ(y_t) = −s_i A_t on unclipped rows, 0 on
+    clipped ones (a plain loop over the rows)."""
+    logprobs, proximal, behavior, advantages, mask = _gspo_batch(1)
+    clip_low, clip_high = 0.01, 0.01
+    out = GSPO(clip_low=clip_low, clip_high=clip_high)(
+        logprobs=logprobs, proximal_logprobs=proximal, behavior_logprobs=behavior,
+        advantages=advantages, mask=mask,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(out.token_loss.sum(), logprobs)
+    expected = torch.zeros_like(grad)
+    for b in range(mask.shape[0]):
+        cols = [t for t in range(mask.shape[1]) if bool(mask[b, t])]
+        if not cols:
+            continue
+        s = math.exp(sum(float(logprobs[b, t].detach() - proximal[b, t]) for t in cols) / len(cols))
+        for t in cols:
+            a = float(advantages[b, t])
+            cut = (a > 0 and s > 1 + clip_high) or (a < 0 and s < 1 - clip_low)
+            expected[b, t] = 0.0 if cut else -s * a
+            value = -min(max(s, 1 - clip_low), 1 + clip_high) * a if cut else -s * a
+            assert math.isclose(float(out.token_loss[b, t]), value, rel_tol=1e-10, abs_tol=1e-12)
+    assert_close(grad, expected, torch.float64)
+
+
+def test_gspo_ignores_garbage_at_non_actions_and_rows_are_independent():
+    logprobs, proximal, behavior, advantages, mask = _gspo_batch(2)
+    kw = dict(behavior_logprobs=behavior, advantages=advantages, mask=mask)
+    gspo = GSPO(behavior_weight_cap=2.0)
+    a = gspo(logprobs=logprobs, proximal_logprobs=proximal, **kw).token_loss
+    bad = torch.where(mask, proximal, torch.tensor(float("nan"), dtype=torch.float64))
+    b = gspo(logprobs=logprobs, proximal_logprobs=bad, **kw).token_loss
+    assert torch.equal(a, b)
+    moved = proximal.clone()
+    moved[0] -= 0.3  # row 0's ratio changes; no other row's loss may
+    c = gspo(logprobs=logprobs, proximal_logprobs=moved, **kw).token_loss
+    assert not torch.equal(a[0], c[0]) and torch.equal(a[1:], c[1:])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"clip_low": 1.0}, r"^clip_low must be in \(0, 1\); got 1\.0\.$"),
+        ({"clip_high": 0}, r"^clip_high must be a positive finite number; got 0\.$"),
+        (
+            {"behavior_weight_cap": -1.0},
+            r"^behavior_weight_cap must be a positive finite number or None; got -1\.0\.$",
+        ),
+    ],
+)
+def test_gspo_arguments_are_checked_in_one_sentence(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        GSPO(**kwargs)
