@@ -9,10 +9,15 @@ import math
 import pytest
 import torch
 
+from brace_lightning.models.policy import token_logprobs
 from brace_lightning.objectives import GSPO
+from brace_lightning.optim import clipped_step
+from brace_lightning.step_metrics import effective_sample_size_fraction
+from brace_lightning.step_size import ESSAdaptiveStepSize, global_ess_fraction
 from brace_lightning.targets import GAE
 from brace_lightning.targets.functional import gae
 from tests.support.reference_targets import reference_targets
+from tests.test_kl_reference import fit_steps, fixed_batch, sgd_module, weights
 from tests.test_targets import assert_close, layout_mask, random_inputs
 
 # --------------------------------------------------------------------------- ρ in GAE's advantage
@@ -159,7 +164,9 @@ def test_gspo_token_gradient_keeps_each_tokens_advantage():
             cut = (a > 0 and s > 1 + clip_high) or (a < 0 and s < 1 - clip_low)
             expected[b, t] = 0.0 if cut else -s * a
             value = -min(max(s, 1 - clip_low), 1 + clip_high) * a if cut else -s * a
-            assert math.isclose(float(out.token_loss[b, t]), value, rel_tol=1e-10, abs_tol=1e-12)
+            assert math.isclose(
+                float(out.token_loss[b, t].detach()), value, rel_tol=1e-10, abs_tol=1e-12
+            )
     assert_close(grad, expected, torch.float64)
 
 
@@ -191,3 +198,156 @@ def test_gspo_ignores_garbage_at_non_actions_and_rows_are_independent():
 def test_gspo_arguments_are_checked_in_one_sentence(kwargs, message):
     with pytest.raises(ValueError, match=message):
         GSPO(**kwargs)
+
+
+# --------------------------------------------------------------------------- ESS-adaptive step size
+
+
+def _adamw_reference(params, grads_per_step, *, lr, betas, eps, weight_decay):
+    """Plain float64 AdamW (Loshchilov & Hutter; torch's defaults) over a list of steps."""
+    out = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(p) for p in out]
+    v = [torch.zeros_like(p) for p in out]
+    for step, grads in enumerate(grads_per_step, start=1):
+        for i, g in enumerate(grads):
+            g = g.double()
+            out[i] = out[i] * (1 - lr[step - 1] * weight_decay)
+            m[i] = betas[0] * m[i] + (1 - betas[0]) * g
+            v[i] = betas[1] * v[i] + (1 - betas[1]) * g * g
+            m_hat, v_hat = m[i] / (1 - betas[0] ** step), v[i] / (1 - betas[1] ** step)
+            out[i] = out[i] - lr[step - 1] * m_hat / (v_hat.sqrt() + eps)
+    return out
+
+
+@pytest.mark.slow
+def test_a_scaled_step_is_an_adamw_step_at_the_scaled_lr_and_the_lr_is_restored():
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3).double()
+    start = [p.detach().clone() for p in model.parameters()]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    grads, scales = [], [0.3, 1.0, 0.05]
+    for scale in scales:
+        loss = model(torch.randn(5, 4, dtype=torch.float64)).square().sum()
+        loss.backward()
+        grads.append([p.grad.detach().clone() for p in model.parameters()])
+        clipped_step(model, optimizer, None, torch.device("cpu"), scale)
+        assert optimizer.param_groups[0]["lr"] == 0.01  # restored, exactly
+    for p, p0 in zip(model.parameters(), start, strict=True):
+        p.data.copy_(p0)
+    expected = _adamw_reference(
+        list(model.parameters()), grads, lr=[0.01 * s for s in scales], betas=(0.9, 0.999),
+        eps=1e-8, weight_decay=0.1,
+    )  # fmt: skip
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+    for g, scale in zip(grads, scales, strict=True):
+        for p, gp in zip(model.parameters(), g, strict=True):
+            p.grad = gp.clone()
+        clipped_step(model, optimizer, None, torch.device("cpu"), scale)
+    for p, e in zip(model.parameters(), expected, strict=True):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-12, atol=1e-14)
+    # Scaling the loss instead would not do it: AdamW's step is (almost) invariant to it.
+    unscaled = _adamw_reference(
+        start, [grads[0]], lr=[0.01], betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1
+    )
+    scaled_loss = _adamw_reference(
+        start, [[0.3 * g for g in grads[0]]], lr=[0.01], betas=(0.9, 0.999), eps=1e-8,
+        weight_decay=0.1,
+    )  # fmt: skip
+    for a, b in zip(unscaled, scaled_loss, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-9)
+
+
+class _OneRank:
+    world_size = 1
+    strategy = None
+
+
+def _slow_scale(log_w: torch.Tensor, mask: torch.Tensor, power: float, min_scale: float) -> float:
+    w = [math.exp(float(x)) for x in log_w[mask].tolist()]
+    ess = sum(w) ** 2 / (len(w) * sum(x * x for x in w))
+    return min(1.0, max(min_scale, ess**power))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("power", "min_scale", "spread"), [(1.0, 0.1, 0.5), (0.5, 0.01, 2.0)])
+def test_the_ess_factor_matches_a_float64_loop(power, min_scale, spread):
+    mask = layout_mask()
+    _, _, target, behavior = random_inputs(mask, seed=7, scale=spread)
+    rule = ESSAdaptiveStepSize(power=power, min_scale=min_scale)
+    got = rule(target, behavior, mask, _OneRank())
+    assert math.isclose(got, _slow_scale(target - behavior, mask, power, min_scale), rel_tol=1e-12)
+    assert got < 1.0
+    assert rule(target, target, mask, _OneRank()) == 1.0  # on-policy: the full step
+    floor = ESSAdaptiveStepSize(min_scale=0.9)(target, behavior, mask, _OneRank())
+    assert floor == 0.9
+
+
+def test_the_global_ess_is_the_logged_ess_on_one_rank_and_survives_huge_weights():
+    mask = layout_mask()
+    _, _, target, behavior = random_inputs(mask, seed=8, scale=1.0)
+    log_w = (target - behavior) * 400  # weights up to e^1000: float64 would overflow unshifted
+    expected = effective_sample_size_fraction(log_w[mask])
+    assert math.isclose(global_ess_fraction(log_w, mask, _OneRank()), expected, rel_tol=1e-12)
+
+
+def test_the_module_steps_the_actor_at_lr_times_the_logged_scale():
+    """SGD is linear in its lr: the scaled run's actor moves exactly s times as far."""
+    batch = fixed_batch()
+    plain, scaled = sgd_module(seed=0), sgd_module(seed=0, actor_step_size=ESSAdaptiveStepSize())
+    start = weights(plain.actor)
+    plain_metrics, metrics = fit_steps(plain, batch), fit_steps(scaled, batch)
+    s = metrics["lr/actor_scale"]
+    assert "lr/actor_scale" not in plain_metrics
+    assert math.isclose(s, metrics["weights/ess_fraction_tokens"], rel_tol=1e-5) and s < 0.99
+    assert metrics["lr/actor"] == plain_metrics["lr/actor"] == 1.0  # the lr is restored
+    moved_plain, moved = weights(plain.actor), weights(scaled.actor)
+    for name, w0 in start.items():
+        torch.testing.assert_close(
+            moved[name] - w0, s * (moved_plain[name] - w0), rtol=1e-4, atol=1e-7
+        )
+    assert any(not torch.equal(moved[n], moved_plain[n]) for n in start)
+    for name, value in weights(plain.critic).items():  # the critic's step is untouched
+        assert torch.equal(value, weights(scaled.critic)[name])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"power": 0.0}, r"^power must be a positive finite number; got 0\.0\.$"),
+        ({"min_scale": 0.0}, r"^min_scale must be in \(0, 1\]; got 0\.0\.$"),
+        ({"min_scale": True}, r"^min_scale must be in \(0, 1\]; got True\.$"),
+    ],
+)
+def test_step_size_arguments_are_checked_in_one_sentence(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ESSAdaptiveStepSize(**kwargs)
+
+
+# --------------------------------------------------------------------------- version drift
+
+
+def test_version_drift_is_the_k3_kl_between_the_policy_before_and_after_the_step():
+    batch = fixed_batch()
+    module = sgd_module(seed=0, log_version_drift=True)
+    with torch.no_grad():
+        before = token_logprobs(module.actor, batch.input_ids, batch.attention_mask)[0]
+    metrics = fit_steps(module, batch)
+    with torch.no_grad():
+        after = token_logprobs(module.actor, batch.input_ids, batch.attention_mask)[0]
+    terms = []
+    for b, t in batch.mask.nonzero().tolist():
+        log_r = float(after[b, t]) - float(before[b, t])
+        terms.append(math.exp(log_r) - 1.0 - log_r)
+    expected = sum(terms) / len(terms)
+    assert expected > 1e-4  # the step moved the policy
+    assert math.isclose(metrics["kl/version_drift_k3"], expected, rel_tol=1e-3)
+    # Off by default, and the extra forward changes no weight.
+    plain = sgd_module(seed=0)
+    assert "kl/version_drift_k3" not in fit_steps(plain, batch)
+    for name, value in weights(plain.actor).items():
+        assert torch.equal(value, weights(module.actor)[name])
+
+
+def test_log_version_drift_must_be_a_bool():
+    with pytest.raises(ValueError, match=r"^log_version_drift must be a bool; got 1\.$"):
+        sgd_module(log_version_drift=1)
