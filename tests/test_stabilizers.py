@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from brace_lightning.models.policy import token_logprobs
+from brace_lightning.module import BraceModule
 from brace_lightning.objectives import GSPO
 from brace_lightning.optim import clipped_step
 from brace_lightning.step_metrics import effective_sample_size_fraction
@@ -17,6 +18,7 @@ from brace_lightning.step_size import ESSAdaptiveStepSize, global_ess_fraction
 from brace_lightning.targets import GAE
 from brace_lightning.targets.functional import gae
 from tests.support.reference_targets import reference_targets
+from tests.test_hparams import _checkpoint
 from tests.test_kl_reference import fit_steps, fixed_batch, sgd_module, weights
 from tests.test_targets import assert_close, layout_mask, random_inputs
 
@@ -351,3 +353,25 @@ def test_version_drift_is_the_k3_kl_between_the_policy_before_and_after_the_step
 def test_log_version_drift_must_be_a_bool():
     with pytest.raises(ValueError, match=r"^log_version_drift must be a bool; got 1\.$"):
         sgd_module(log_version_drift=1)
+
+
+def test_the_new_options_survive_a_weights_only_checkpoint(tmp_path):
+    kw = dict(tiny_hidden_size=32, tiny_num_layers=1)
+    module = BraceModule(
+        actor_step_size=ESSAdaptiveStepSize(power=0.5, min_scale=0.2),
+        log_version_drift=True,
+        value_target=GAE(rho_in_advantage=True, rho_bar=1.5),
+        actor_objective=GSPO(behavior_weight_cap=3.0),
+        **kw,
+    )
+    loaded = BraceModule.load_from_checkpoint(
+        _checkpoint(module, tmp_path / "a.ckpt"), weights_only=True
+    )
+    assert vars(loaded.actor_step_size) == {"power": 0.5, "min_scale": 0.2}
+    assert loaded.log_version_drift is True
+    assert vars(loaded.value_target) == vars(module.value_target)
+    assert vars(loaded.actor_objective) == vars(module.actor_objective)
+    plain = BraceModule.load_from_checkpoint(
+        _checkpoint(BraceModule(**kw), tmp_path / "b.ckpt"), weights_only=True
+    )
+    assert plain.actor_step_size is None and plain.log_version_drift is False
