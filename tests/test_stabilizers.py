@@ -375,3 +375,50 @@ def test_the_new_options_survive_a_weights_only_checkpoint(tmp_path):
         _checkpoint(BraceModule(**kw), tmp_path / "b.ckpt"), weights_only=True
     )
     assert plain.actor_step_size is None and plain.log_version_drift is False
+
+
+class _TwoRanks:
+    """Ranks whose other rank holds ``other`` ``[M]`` log-weights (all actions): the strategy's
+    reductions combine this rank's value with what that rank would send."""
+
+    world_size = 2
+
+    def __init__(self, other: torch.Tensor) -> None:
+        self.other, self.strategy, self.top = other.double(), self, None
+
+    def reduce(self, value: torch.Tensor, reduce_op: str) -> torch.Tensor:
+        if reduce_op == "max":
+            self.top = torch.maximum(value, self.other.max())
+            return self.top
+        shifted = torch.exp(self.other - self.top)
+        theirs = torch.stack(
+            [shifted.sum(), shifted.square().sum(), torch.tensor(1.0) * len(shifted)]
+        )
+        return value + theirs.double()
+
+
+def test_the_ess_factor_is_taken_over_every_ranks_tokens():
+    mask = layout_mask()
+    _, _, target, behavior = random_inputs(mask, seed=9, scale=1.0)
+    other = torch.randn(17, dtype=torch.float64, generator=torch.Generator().manual_seed(1)) * 2
+    log_w = target - behavior
+    expected = effective_sample_size_fraction(torch.cat([log_w[mask], other]))
+    got = global_ess_fraction(log_w, mask, _TwoRanks(other))
+    assert math.isclose(got, expected, rel_tol=1e-12)
+    assert not math.isclose(got, effective_sample_size_fraction(log_w[mask]), rel_tol=1e-3)
+
+
+def test_gspo_and_gae_rho_train_in_the_module():
+    batch = fixed_batch()
+    module = sgd_module(
+        seed=0,
+        actor_objective=GSPO(clip_low=0.2, clip_high=0.2, behavior_weight_cap=0.05),
+        value_target=GAE(rho_in_advantage=True, rho_bar=1.0),
+    )
+    start = weights(module.actor)
+    metrics = fit_steps(module, batch)
+    assert module.policy_version == 1
+    assert any(not torch.equal(v, weights(module.actor)[n]) for n, v in start.items())
+    assert metrics["actor/sequence_ratio_mean"] == pytest.approx(1.0)  # one step: π_θ = π_prox
+    # The tiny actor's log-probs sit below the batch's µ: every row's weight is small, yet above 0.05.
+    assert metrics["actor/truncated_fraction"] > 0.0 and math.isfinite(metrics["actor/loss"])
