@@ -173,13 +173,19 @@ def run_cell(
     each epoch end). A failed run leaves its ``stderr.txt`` and no marker, so a rerun retries it
     (after deleting its partial events).
     """
-    folder = cell.folder(out)
+    args = command(cell, out, steps=steps, every=every, recipe=recipe, extra=extra)
+    return run_marked(cell.folder(out), args, {"cell": cell.__dict__})
+
+
+def run_marked(folder: Path, args: list[str], record: dict[str, Any]) -> str:
+    """Run the command ``args`` (:func:`benchmarks._common.cli_command`) in ``folder`` unless its ``done.json`` marker
+    exists (the grid runners' one resume rule): ``"skipped"``, ``"done"`` or ``"failed"``. A failed
+    run leaves its ``stderr.txt`` and no marker; its partial events are deleted by the retry."""
     marker = folder / "done.json"
     if marker.exists():
         return "skipped"
     shutil.rmtree(folder / "tb", ignore_errors=True)  # events of an earlier, failed try
     folder.mkdir(parents=True, exist_ok=True)
-    args = command(cell, out, steps=steps, every=every, recipe=recipe, extra=extra)
     start = time.monotonic()
     with (folder / "stdout.txt").open("w") as stdout, (folder / "stderr.txt").open("w") as stderr:
         result = subprocess.run(
@@ -188,7 +194,7 @@ def run_cell(
     if result.returncode != 0:
         return "failed"
     seconds = time.monotonic() - start
-    write_marker(marker, {"cell": cell.__dict__, "seconds": seconds, "args": args})
+    write_marker(marker, {**record, "seconds": seconds, "args": args})
     return "done"
 
 

@@ -55,7 +55,8 @@ def save_component_configs(module: pl.LightningModule, names: tuple[str, ...]) -
     objects = {
         name: to_config(module.hparams[name])
         for name in names
-        if not isinstance(module.hparams[name], dict)  # built in Python, not by LightningCLI
+        # built in Python, not by LightningCLI; an optional component may be None
+        if module.hparams[name] is not None and not isinstance(module.hparams[name], dict)
     }
     if objects:
         module.save_hyperparameters(objects)
@@ -149,6 +150,7 @@ def check_module_arguments(args: dict[str, Any]) -> None:
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ValueError(f"max_grad_norm must be None or > 0; got {max_grad_norm!r}.")
     require_bool("pack_sequences", args["pack_sequences"])
+    require_bool("log_version_drift", args["log_version_drift"])
     kl_coef = args["kl_coef"]
     if isinstance(kl_coef, bool) or not (
         isinstance(kl_coef, int | float) and 0.0 <= kl_coef < math.inf

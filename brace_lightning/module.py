@@ -27,6 +27,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from brace_lightning import step_metrics
 from brace_lightning.console import quiet_lightning
 from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
@@ -39,7 +40,6 @@ from brace_lightning.hparams import (
     save_component_configs,
 )
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
-from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.build import build_actor_critic, shard_actor_critic
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
@@ -47,19 +47,16 @@ from brace_lightning.models.health import require_finite_logprobs, require_finit
 from brace_lightning.models.microbatch import MicroBatch, widen
 from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.sources import TINY, load_tokenizer
-from brace_lightning.models.weight_sync import (
-    DEFAULT_BUCKET_MB,
-    bucket_bytes_from_mb,
-    drain,
-)
+from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, bucket_bytes_from_mb, drain
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import kl_to_reference
-from brace_lightning.optim import adamw, clipped_step, schedulers_by_network
+from brace_lightning.optim import adamw, build_optimizers, clipped_step, step_schedulers
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scored, Scorer
 from brace_lightning.seeds import restore_rng_state, rng_state, run_seed
 from brace_lightning.step_metrics import PhaseTimer, UpdateStats, log_training_step, masked_mean
+from brace_lightning.step_size import ESSAdaptiveStepSize, actor_lr_scale
 from brace_lightning.targets import BRACE, ValueTarget
 
 
@@ -114,6 +111,8 @@ class BraceModule(pl.LightningModule):
         kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
+        actor_step_size: the actor's lr times a factor from the batch's ESS (``step_size.py``, VCPO).
+        log_version_drift: log ``kl/version_drift_k3`` (one more actor forward per step).
     """
 
     def __init__(
@@ -149,6 +148,8 @@ class BraceModule(pl.LightningModule):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_mode: str = "loss",
+        actor_step_size: ESSAdaptiveStepSize | None = None,
+        log_version_drift: bool = False,
     ) -> None:
         super().__init__()
         quiet_lightning()  # tips and dataloader_iter notes, also for Python-API users (console.py)
@@ -157,9 +158,13 @@ class BraceModule(pl.LightningModule):
         value_target = from_config(value_target, ValueTarget, "value_target")
         actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
         critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
+        if actor_step_size is not None:
+            actor_step_size = from_config(actor_step_size, ESSAdaptiveStepSize, "actor_step_size")
         check_ewma_support(actor_objective.ewma_decay, fsdp_meta_init=fsdp_meta_init)
         self.save_hyperparameters()
-        save_component_configs(self, ("value_target", "actor_objective", "critic_loss"))
+        save_component_configs(
+            self, ("value_target", "actor_objective", "critic_loss", "actor_step_size")
+        )
         self.seed = seed = run_seed(seed)  # hparams keep None: the seed follows seed_everything
         self.automatic_optimization = False
         self.value_target = value_target
@@ -185,6 +190,7 @@ class BraceModule(pl.LightningModule):
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.kl_mode = kl_mode
+        self.actor_step_size, self.log_version_drift = actor_step_size, log_version_drift
         self.tokenizer = load_tokenizer(actor)
         self.actor, self.critic, self._meta = build_actor_critic(
             actor,
@@ -256,14 +262,7 @@ class BraceModule(pl.LightningModule):
         self.scorer.prepare(self.actor, self.critic, copies)
 
     def configure_optimizers(self) -> Any:
-        actor_opt = self._optimizers[0](self.actor.parameters())
-        critic_opt = self._optimizers[1](self.critic.parameters())
-        schedulers = [
-            {"scheduler": factory(opt), "interval": "step"}
-            for opt, factory in zip((actor_opt, critic_opt), self._schedulers, strict=True)
-            if factory is not None
-        ]
-        return [actor_opt, critic_opt], schedulers
+        return build_optimizers((self.actor, self.critic), self._optimizers, self._schedulers)
 
     # ------------------------------------------------------------------ the step
 
@@ -275,13 +274,19 @@ class BraceModule(pl.LightningModule):
             batch, scored, kl_metrics = self._score(batch, plan)
         due = self.rollout_step >= self.critic_warmup_steps
         train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
+        lr_scale = actor_lr_scale(self.actor_step_size, batch, scored, self.ranks, kl_metrics)
         stats = UpdateStats()
         with timer("update"):
             for _ in range(self.ppo_epochs):
                 order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
                 for rows in order.tensor_split(self.num_minibatches):
                     if len(rows):
-                        self._update(batch.select(rows), scored.rows(rows), train_actor, stats)
+                        mb, mb_scored = batch.select(rows), scored.rows(rows)
+                        self._update(mb, mb_scored, train_actor, lr_scale, stats)
+        if train_actor and self.log_version_drift:
+            kl_metrics |= step_metrics.version_drift(
+                self.scorer, self.actor, batch, plan, scored.proximal
+            )
         self.rollout_step += 1
         with timer("weight_sync"):
             if train_actor:
@@ -348,7 +353,12 @@ class BraceModule(pl.LightningModule):
         return batch, scored, metrics
 
     def _update(
-        self, mb: RolloutBatch, scored: Scored, train_actor: bool, stats: UpdateStats
+        self,
+        mb: RolloutBatch,
+        scored: Scored,
+        train_actor: bool,
+        lr_scale: float | None,
+        stats: UpdateStats,
     ) -> None:
         """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches.
 
@@ -408,34 +418,24 @@ class BraceModule(pl.LightningModule):
         stats.end_minibatch(self.ranks.reduce_stats(stats.minibatch))
         stats.append("critic/grad_norm", self._clipped_step(self.critic, critic_opt))
         if train_actor:
-            stats.append("actor/grad_norm", self._clipped_step(self.actor, actor_opt))
+            stats.append("actor/grad_norm", self._clipped_step(self.actor, actor_opt, lr_scale))
             if self.ewma is not None:
                 self.ewma.update(self.actor)
-        for scheduler, trained in zip(
-            schedulers_by_network(self), (train_actor, True), strict=True
-        ):
-            if scheduler is not None and trained:
-                scheduler.step()
+        step_schedulers(self, actor_stepped=train_actor)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)
         and the critic's value-bias gap to their realized returns (``val/value_gap_mc``)."""
         batch = batch.to(self.device)
         values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
-        realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
-        self.val_value_gap.update(values, realized, batch.mask)
-        log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
-        self.log("step", float(self.rollout_step), reduce_fx="max", **log)
-        self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
-        self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
-        if batch.correct is not None:
-            self.log("val/accuracy", batch.correct.float().mean(), **log)
-        self.log("val/value_gap_mc", self.val_value_gap, **log)
+        step_metrics.log_validation_step(self, batch, values)
 
     # ------------------------------------------------------------------ helpers
 
-    def _clipped_step(self, model: nn.Module, optimizer: Any) -> torch.Tensor:
-        return clipped_step(model, optimizer, self.max_grad_norm, self.device)
+    def _clipped_step(
+        self, model: nn.Module, optimizer: Any, lr_scale: float | None = None
+    ) -> torch.Tensor:
+        return clipped_step(model, optimizer, self.max_grad_norm, self.device, lr_scale)
 
     def _backward(self, what: str, loss: torch.Tensor) -> None:
         require_finite_loss(what, loss, rollout_step=self.rollout_step)

@@ -29,10 +29,19 @@ def adamw(lr: float) -> OptimizerFactory:
 
 
 def clipped_step(
-    model: nn.Module, optimizer: Any, max_grad_norm: float | None, device: torch.device
+    model: nn.Module,
+    optimizer: Any,
+    max_grad_norm: float | None,
+    device: torch.device,
+    lr_scale: float | None = None,
 ) -> torch.Tensor:
     """Clip ``model``'s gradient norm to ``max_grad_norm`` (None: no clipping), step ``optimizer``
-    and zero the gradients; the gradient norm before clipping (0 when no parameter has one)."""
+    and zero the gradients; the gradient norm before clipping (0 when no parameter has one).
+
+    ``lr_scale`` s (an adaptive step size, ``step_size.py``): this one step runs with every
+    parameter group's lr times s, then the lr is restored (schedulers and checkpoints see the
+    unscaled value). The lr, not the loss, is scaled: AdamW is invariant to the loss's scale.
+    """
     params = [p for p in model.parameters() if p.grad is not None]
     norm = torch.zeros((), device=device)
     if params:
@@ -40,9 +49,46 @@ def clipped_step(
         norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
         # FSDP2: the norm of DTensor gradients is a replicated DTensor (the global norm).
         norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    optimizer.step()
+    if lr_scale is None:
+        optimizer.step()
+    else:
+        groups = optimizer.param_groups
+        saved = [group["lr"] for group in groups]
+        for group in groups:
+            group["lr"] = group["lr"] * lr_scale
+        try:
+            optimizer.step()
+        finally:
+            for group, lr in zip(groups, saved, strict=True):
+                group["lr"] = lr
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def build_optimizers(
+    networks: tuple[nn.Module, nn.Module],
+    optimizers: tuple[Callable[[Any], Any], Callable[[Any], Any]],
+    schedulers: tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None],
+) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
+    """``configure_optimizers``'s answer for the (actor, critic) ``networks``: one optimizer each
+    from ``optimizers`` and, where ``schedulers`` has a factory, its scheduler stepped every
+    optimizer step (``interval="step"``)."""
+    built = [factory(net.parameters()) for net, factory in zip(networks, optimizers, strict=True)]
+    stepped = [
+        {"scheduler": factory(opt), "interval": "step"}
+        for opt, factory in zip(built, schedulers, strict=True)
+        if factory is not None
+    ]
+    return built, stepped
+
+
+def step_schedulers(module: pl.LightningModule, *, actor_stepped: bool) -> None:
+    """Step the critic's scheduler and, if its optimizer stepped, the actor's (each if present)."""
+    for scheduler, trained in zip(
+        schedulers_by_network(module), (actor_stepped, True), strict=True
+    ):
+        if scheduler is not None and trained:
+            scheduler.step()
 
 
 def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:

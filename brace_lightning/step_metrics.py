@@ -30,9 +30,10 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from brace_lightning.equal_rewards import equal_reward_group_fraction
 from brace_lightning.metrics import HorizonBeta
 from brace_lightning.metrics.functional import reward_to_go
+from brace_lightning.models.microbatch import MicroBatch
 from brace_lightning.objectives.functional import MAX_LOG_RATIO
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.scorer import Scored
+from brace_lightning.scorer import Scored, Scorer
 
 #: ``data/*`` entries of the batch info that repeat a ``rollout/*`` metric under another name
 #: (``truncated_fraction`` is logged as ``rollout/length_capped_fraction``).
@@ -215,6 +216,43 @@ def step_statistics(
     if batch.correct is not None:
         metrics["rollout/accuracy"] = batch.correct.float().mean()
     return metrics
+
+
+def version_drift(
+    scorer: Scorer,
+    actor: torch.nn.Module,
+    batch: RolloutBatch,
+    plan: list[MicroBatch],
+    proximal_logprobs: torch.Tensor,
+) -> dict[str, float]:
+    """``kl/version_drift_k3``: the drift between consecutive policy versions v → v + 1.
+
+    The mean over the batch's action tokens of r − 1 − log r, r = π_{v+1}(y_t)/π_v(y_t) (log r
+    clamped to ±MAX_LOG_RATIO): the k3 estimator of KL(π_v ‖ π_{v+1}) per token, exact in
+    expectation when the tokens are π_v's own samples (lag 0) and a token-averaged drift on stale
+    ones. π_v is the step's proximal policy (``proximal_logprobs`` ``[B, T]``, already scored);
+    π_{v+1} costs one more no-grad forward of the updated ``actor`` over ``plan``.
+    """
+    temperature = float(batch.info.get("temperature", 1.0))
+    with torch.no_grad():
+        updated = scorer.score(actor, batch, plan, temperature)
+    log_r = (updated - proximal_logprobs).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return {"kl/version_drift_k3": float(masked_mean(log_r.exp() - 1.0 - log_r, batch.mask))}
+
+
+def log_validation_step(module: Any, batch: RolloutBatch, values: torch.Tensor) -> None:
+    """Log a validation batch of ``module`` (a ``BraceModule``): ``val/reward``
+    (mean@samples_per_prompt), ``val/response_length``, ``val/accuracy`` and the critic's
+    value-bias gap ``val/value_gap_mc`` of ``values`` ``[B, T]`` to the realized returns."""
+    realized = reward_to_go(batch.rewards, batch.mask, gamma=module.value_target.gamma)
+    module.val_value_gap.update(values, realized, batch.mask)
+    log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
+    module.log("step", float(module.rollout_step), reduce_fx="max", **log)
+    module.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
+    module.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
+    if batch.correct is not None:
+        module.log("val/accuracy", batch.correct.float().mean(), **log)
+    module.log("val/value_gap_mc", module.val_value_gap, **log)
 
 
 def beta_metrics(

@@ -95,6 +95,8 @@ BENCHMARK_PARSE_ONLY = {
     "tests/benchmarks/test_fsdp_memory.py runs its rank measurement",
     "lm_staleness": "a grid of fits after the recipe's warm start; tests/benchmarks/test_lm_staleness.py "
     "covers its cells, resume and aggregation",
+    "lm_staleness_map": "the lag x lr map, ~20 CPU hours; tests/benchmarks/test_lm_staleness_map.py "
+    "runs a 2-cell map, its resume, table and figure",
     "gpu_check": "vLLM's start alone takes a minute on CPU; tests/test_vllm.py asserts the log-prob "
     "gaps it prints",
 }

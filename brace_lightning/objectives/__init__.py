@@ -7,6 +7,7 @@ carry hyperparameters, validate them and call it. Select one in YAML with ``clas
 from brace_lightning.objectives.actor import (
     DIS,
     ESTR,
+    GSPO,
     PPOEWMA,
     TIS,
     DecoupledPPO,
@@ -20,6 +21,7 @@ from brace_lightning.objectives.critic import CriticLoss
 __all__ = [
     "DIS",
     "ESTR",
+    "GSPO",
     "PPOEWMA",
     "TIS",
     "ActorObjective",

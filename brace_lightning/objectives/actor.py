@@ -228,6 +228,57 @@ class PPOEWMA(DecoupledPPO):
         self.ewma_decay = ewma_decay
 
 
+class GSPO(ActorObjective):
+    """GSPO: the PPO clip on the sequence-level (geometric-mean) ratio
+    s_i = exp(mean_t log π_θ/π_prox) of each row (:func:`.functional.gspo`, GSPO-token form).
+
+    Args:
+        clip_low: s_i is clipped below at 1 − clip_low. In (0, 1) (GSPO: 3e-4).
+        clip_high: s_i is clipped above at 1 + clip_high. Positive (GSPO: 4e-4).
+        behavior_weight_cap: C: weight each row's loss by min(w_i, C), w_i the geometric mean of
+            π_prox/µ over its actions (for stale samples). Positive, or None (GSPO as published).
+    """
+
+    def __init__(
+        self,
+        *,
+        clip_low: float = 3e-4,
+        clip_high: float = 4e-4,
+        behavior_weight_cap: float | None = None,
+    ) -> None:
+        _require(_number(clip_low) and 0.0 < clip_low < 1.0, "clip_low", clip_low, "in (0, 1)")
+        _positive("clip_high", clip_high)
+        _positive("behavior_weight_cap", behavior_weight_cap, optional=True)
+        self.clip_low = clip_low
+        self.clip_high = clip_high
+        self.behavior_weight_cap = behavior_weight_cap
+
+    def __call__(
+        self,
+        *,
+        logprobs: torch.Tensor,
+        proximal_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        advantages: torch.Tensor,
+        mask: torch.Tensor,
+        entropy: torch.Tensor | None = None,
+    ) -> ObjectiveOutput:
+        return F.gspo(
+            logprobs,
+            proximal_logprobs,
+            behavior_logprobs,
+            advantages,
+            mask,
+            clip_low=self.clip_low,
+            clip_high=self.clip_high,
+            behavior_weight_cap=self.behavior_weight_cap,
+        )
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"GSPO({args})"
+
+
 class IcePop(_Clipped):
     """IcePop: PPO clip times w·1[α ≤ w ≤ β], w = π_prox/µ (:func:`.functional.icepop`).
 

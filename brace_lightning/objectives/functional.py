@@ -364,6 +364,80 @@ def icepop(
     return _finish(loss, stats | _weight_stats(w, mask), mask)
 
 
+def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1]`` mean of ``x`` over each row's actions (0 for a row without one)."""
+    return torch.where(mask, x, 0.0).sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)
+
+
+def gspo(
+    logprobs: torch.Tensor,
+    proximal_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float = 3e-4,
+    clip_high: float = 4e-4,
+    behavior_weight_cap: float | None = None,
+) -> ObjectiveOutput:
+    """GSPO: the PPO clip on one sequence-level (geometric-mean) ratio per row, GSPO-token form.
+
+    s_i = exp(mean_{t ∈ y_i} log(π_θ(y_t)/π_prox(y_t))), the ratio of row i's length-normalised
+    likelihoods; every action t of the row gets s_{i,t} = sg[s_i] · π_θ(y_t)/sg[π_θ(y_t)] (value
+    s_i, gradient s_i ∇log π_θ(y_t)) and loss_t = −min(s_{i,t} A_t, clip(s_{i,t}) A_t), so a row
+    is clipped whole or not at all. With an advantage constant along each row this is GSPO's
+    sequence loss and gradient; with per-token advantages (a critic's) each token keeps its own.
+
+    ``behavior_weight_cap`` C (optional) adds the sequence's behaviour weight for stale samples:
+    loss_t is multiplied by min(w_i, C), w_i = exp(mean_t log(π_prox(y_t)/µ(y_t))), the same
+    geometric mean of the decoupled weight (a constant, no gradient). None: no behaviour weight,
+    GSPO as published with π_prox as its old policy.
+
+    Source: Zheng et al. 2025, "Group Sequence Policy Optimization" (eq. 5–7 and GSPO-token,
+    clip 3e-4 / 4e-4). The sum over tokens divided by the global action-token count replaces
+    GSPO's 1/|y_i| (one normalisation for every objective here).
+
+    Args:
+        logprobs: ``[B, T]`` log π_θ (differentiable).
+        proximal_logprobs: ``[B, T]`` log π_prox.
+        behavior_logprobs: ``[B, T]`` log µ.
+        advantages: ``[B, T]`` A.
+        mask: ``[B, T]`` bool, True at actions.
+        clip_low, clip_high: s_i is clipped to [1 − clip_low, 1 + clip_high].
+        behavior_weight_cap: C > 0, or None.
+
+    Returns:
+        ``token_loss`` ``[B, T]``; stats ``clip_low_count`` / ``clip_high_count`` (tokens of
+        clipped rows), ``sequence_ratio_sum`` (s_i per token), ``ratio_sum`` and
+        ``approx_kl_sum`` (token-level, as :func:`ppo_clip`), and with a cap ``weight_sum`` /
+        ``weight_max`` (w_i per token) and ``truncated_count`` (tokens of rows with w_i > C).
+    """
+    logprobs, proximal_logprobs, behavior_logprobs, advantages = _prepare(
+        mask,
+        logprobs=logprobs,
+        proximal_logprobs=proximal_logprobs,
+        behavior_logprobs=behavior_logprobs,
+        advantages=advantages,
+    )
+    token_log_ratio = _log_ratio(logprobs, proximal_logprobs)
+    log_s = _row_mean(token_log_ratio.detach(), mask)  # [B, 1]
+    log_ratio = log_s + (logprobs - logprobs.detach())  # value log s_i, gradient ∇log π_θ(y_t)
+    loss, stats = _clipped_surrogate(
+        log_ratio, advantages, mask, clip_low=clip_low, clip_high=clip_high, dual_clip=None
+    )
+    del stats["dual_clip_count"]
+    stats |= _policy_shift_stats(token_log_ratio, mask)
+    stats["sequence_ratio_sum"] = torch.where(mask, torch.exp(log_s), 0.0).sum()
+    if behavior_weight_cap is not None:
+        w = torch.exp(_row_mean(_log_ratio(proximal_logprobs, behavior_logprobs), mask))
+        w = w.expand_as(mask)
+        loss = torch.clamp(w, max=behavior_weight_cap) * loss
+        stats |= _weight_stats(w, mask) | {
+            "truncated_count": _count(mask & (w > behavior_weight_cap))
+        }
+    return _finish(loss, stats, mask)
+
+
 def _log1mexp(x: torch.Tensor) -> torch.Tensor:
     """log(1 − e^x) for x < 0, accurate at both ends (Mächler 2012)."""
     return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))

@@ -54,18 +54,36 @@ class ValueTarget:
 class GAE(ValueTarget):
     """PPO's λ-return: the uncorrected target every peer uses (learns V^µ on stale data)."""
 
-    uses_importance_weights = False
-
-    def __init__(self, *, gamma: float = 1.0, lmbda: float = 1.0) -> None:
+    def __init__(
+        self,
+        *,
+        gamma: float = 1.0,
+        lmbda: float = 1.0,
+        rho_in_advantage: bool = False,
+        rho_bar: float = 1.0,
+    ) -> None:
         """
         Args:
             gamma: discount per action step, in [0, 1].
             lmbda: GAE λ, in [0, 1]; 1 regresses the Monte-Carlo return.
+            rho_in_advantage: scale the actor's advantage by ρ_s = min(ρ̄, π/µ) as V-trace does
+                (default False: PPO's GAE); the critic's target never changes.
+            rho_bar: the truncation ρ̄ of that factor, a positive finite number (read only with
+                ``rho_in_advantage``).
         """
         F.check_discount("gamma", gamma)
         F.check_discount("lmbda", lmbda)
+        require_bool("rho_in_advantage", rho_in_advantage)
+        F.check_truncation(rho_bar, rho_bar)
         self.gamma = gamma
         self.lmbda = lmbda
+        self.rho_in_advantage = rho_in_advantage
+        self.rho_bar = rho_bar
+
+    @property
+    def uses_importance_weights(self) -> bool:  # type: ignore[override]
+        """GAE reads π/µ only for the ρ factor of its advantage."""
+        return self.rho_in_advantage
 
     def __call__(
         self,
@@ -76,7 +94,13 @@ class GAE(ValueTarget):
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
     ) -> ValueTargets:
-        return F.gae(rewards, values, mask, gamma=self.gamma, lmbda=self.lmbda)
+        out = F.gae(rewards, values, mask, gamma=self.gamma, lmbda=self.lmbda)
+        if not self.rho_in_advantage:
+            return out
+        advantages = F.rho_scaled(
+            out.advantages, target_logprobs, behavior_logprobs, mask, rho_bar=self.rho_bar
+        )
+        return ValueTargets(advantages, out.returns)
 
 
 class VTrace(ValueTarget):

@@ -38,6 +38,7 @@ __all__ = [
     "check_cap",
     "check_log_budget",
     "gae",
+    "rho_scaled",
     "vtrace",
     "budget_windows",
     "variable_window_scan",
@@ -364,6 +365,40 @@ def gae(
     delta = r + gamma * _shift(v, 1, 0.0) - v
     adv = _discounted_sum(delta, gamma * lmbda, layout.valid)
     return ValueTargets(_unpack(adv, layout, values.dtype), _unpack(adv + v, layout, values.dtype))
+
+
+def rho_scaled(
+    advantages: torch.Tensor,
+    target_logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    rho_bar: float,
+) -> torch.Tensor:
+    """The actor's advantage times ρ_s = min(ρ̄, π(y_s)/µ(y_s)), V-trace's policy-gradient factor.
+
+    For a target that has no such factor of its own (GAE): ``GAE(rho_in_advantage=True)`` scales
+    its advantage as ``VTrace`` does and ``BRACE(rho_in_advantage=True)`` does, so the actor-side
+    factor can be studied apart from the critic's target (docs/stability.md).
+
+    Args:
+        advantages, target_logprobs, behavior_logprobs: ``[B, T]`` floating point.
+        mask: ``[B, T]`` bool, True at actions.
+        rho_bar: the truncation ρ̄ > 0.
+
+    Returns:
+        ``[B, T]`` ρ ⊙ advantages in the advantages' dtype, 0 at non-actions.
+    """
+    _check_inputs(
+        mask,
+        advantages=advantages,
+        target_logprobs=target_logprobs,
+        behavior_logprobs=behavior_logprobs,
+    )
+    work = _work_dtype(advantages.dtype)
+    log_w = target_logprobs.to(work) - behavior_logprobs.to(work)
+    scaled = _truncated_weight(torch.where(mask, log_w, 0.0), rho_bar) * advantages.to(work)
+    return torch.where(mask, scaled, 0.0).to(advantages.dtype)
 
 
 def _check_products_finite(

@@ -1,0 +1,419 @@
+"""The lag × learning-rate map of issue 30: where each configuration survives staleness, and learns.
+
+Grid: configuration ({``recipe``: the counting recipe as it is, ``stable``: the recipe with the
+candidate overlay ``configs/async_stable.yaml``}) × value target ({GAE, BRACE}) × lag S
+({0, 4, 8, 16}) × actor lr ({2.5e-5, 5e-5, 1e-4, 2e-4}) × warm start × seed. Each cell is one
+``brace-lightning fit`` of the recipe (default ``configs/evidence/long_count.yaml``) with
+``--data.init_args.lag S`` and ``--model.actor_optimizer.init_args.lr``, from a shared warm-started
+actor: one per warm-start seed W (``OUT/warm<W>/``, the recipe's ``SupervisedWarmStart`` run once
+with ``--seed_everything W``), whose own validation reward is measured once by ``brace-lightning
+validate`` (``OUT/warm<W>/validate``). Cells run with the resume markers of
+:func:`benchmarks.lm_staleness.run_marked` under ``OUT/cells/<config>/<target>/lag<S>/lr<lr>/
+warm<W>/seed<N>/``.
+
+The outcomes are fixed before any cell runs (pre-registered in ``docs/stability.md``, 2026-12-06):
+
+- **collapse**: at least ``--collapse-count`` (20) of the last ``--collapse-window`` (40) rollout
+  batches have mean reward exactly 0 (:func:`collapsed`); a run that survives is one that did not
+  collapse. Per map cell: survivors k of n runs, and the exact two-sided test of the candidate's
+  count against the recipe's at the same (target, S, lr) (:func:`fisher_exact`);
+- **learning**: the final-window validation reward (the mean of the last ``--val-window`` (2)
+  ``val/reward`` passes, :func:`final_validation`) against the on-policy run's (S = 0, same
+  configuration, target, lr, warm start and seed), paired; a run *learns* when its final-window
+  validation reward is above its warm start's.
+
+Writes ``OUT/map.md`` (a table per (configuration, target): survivors k/n and mean final
+validation reward per (S, lr); the exact tests; the differences to S = 0) and ``OUT/map.png`` (one
+panel per configuration and target, cells coloured by the surviving fraction and labelled with the
+mean final validation reward). The full grid is 2 × 2 × 4 × 4 = 64 map cells per seed, about 20
+CPU hours for 2 seeds on the counting recipe; screen with 2 seeds, then add seeds and warm starts
+at the boundary cells::
+
+    .venv/bin/python -m benchmarks.lm_staleness_map --out runs/lm_map --seeds 0 1 --warm-seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from benchmarks._common import CONFIGS, cli_command, fit_args, markdown_table, target_config
+from benchmarks.lm_staleness import RECIPE, read_cell, run_marked, warm_start, window_mean
+from brace_lightning.sweep import paired_difference
+
+LAGS = (0, 4, 8, 16)
+LRS = (2.5e-5, 5e-5, 1e-4, 2e-4)
+TARGETS = ("gae", "brace")
+#: Configuration name -> overlays applied on top of the recipe (after the target's).
+CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
+    "recipe": (),
+    "stable": (CONFIGS / "async_stable.yaml",),
+}
+COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
+
+
+@dataclass(frozen=True)
+class MapCell:
+    """One run of the map."""
+
+    config: str
+    target: str
+    lag: int
+    lr: float
+    warm: int
+    seed: int
+
+    def __str__(self) -> str:
+        return f"{self.config}/{self.target}/lag{self.lag}/lr{self.lr:g}/warm{self.warm}/seed{self.seed}"
+
+    def folder(self, out: Path) -> Path:
+        """Where the cell writes its events and its ``done.json`` marker."""
+        return out / "cells" / Path(str(self))
+
+
+def map_grid(
+    configs: Sequence[str],
+    targets: Sequence[str],
+    lags: Sequence[int],
+    lrs: Sequence[float],
+    warms: Sequence[int],
+    seeds: Sequence[int],
+) -> list[MapCell]:
+    """Cells in run order: warm start and seed outermost (a grid stopped early holds whole
+    seeds), then configuration, target, lag and lr."""
+    return [
+        MapCell(config, target, lag, lr, warm, seed)
+        for warm in warms
+        for seed in seeds
+        for config in configs
+        for target in targets
+        for lag in lags
+        for lr in lrs
+    ]
+
+
+def warm_folder(out: Path, warm: int) -> Path:
+    """The shared warm start of warm-start seed ``warm`` (``warm_start``'s output folder)."""
+    return out / f"warm{warm}"
+
+
+def map_command(
+    cell: MapCell, out: Path, *, steps: int, every: int, recipe: Path, extra: Sequence[str]
+) -> list[str]:
+    """The ``brace-lightning fit`` command of ``cell``: the recipe, the target's overlay, the
+    configuration's overlays, then lag, lr, seeds and the shared warm-started actor."""
+    args = fit_args(
+        recipe,
+        target_config(cell.target),
+        *CONFIGURATIONS[cell.config],
+        seed=cell.seed,
+        data_seed=cell.seed,
+        callbacks=False,
+        log_dir=cell.folder(out),
+        run_name="tb",
+        overrides=[
+            f"--model.actor={warm_folder(out, cell.warm) / 'warm_start' / 'actor'}",
+            f"--model.actor_optimizer.init_args.lr={cell.lr}",
+            f"--data.init_args.engine.init_args.seed={cell.seed}",
+            f"--data.init_args.lag={cell.lag}",
+            f"--data.init_args.max_staleness={cell.lag}",
+            f"--trainer.max_epochs={steps // every}",
+            f"--trainer.limit_train_batches={every}",
+            *extra,
+        ],
+    )
+    return cli_command(args)
+
+
+def prepare_warm_start(out: Path, warm: int, recipe: Path, extra: Sequence[str]) -> str:
+    """Warm start ``warm`` (once) and its validation reward (once, ``brace-lightning validate``
+    of the warm-started actor on the recipe's validation prompts); the validate run's status."""
+    folder = warm_folder(out, warm)
+    warm_start(folder, recipe, [f"--seed_everything={warm}", *extra])
+    args = [
+        "validate",
+        "--config",
+        str(recipe),
+        "--trainer.callbacks=[]",
+        f"--seed_everything={warm}",
+        f"--model.actor={folder / 'warm_start' / 'actor'}",
+        f"--trainer.logger.init_args.save_dir={folder / 'validate'}",
+        "--trainer.logger.init_args.name=tb",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        *extra,
+    ]
+    return run_marked(folder / "validate", cli_command(args), {"warm": warm})
+
+
+def warm_validation(out: Path, warm: int) -> float:
+    """The warm start's validation reward (NaN before :func:`prepare_warm_start` finished)."""
+    folder = warm_folder(out, warm) / "validate"
+    if not (folder / "done.json").exists():
+        return math.nan
+    return window_mean(read_cell(folder)["val/reward"], 1)
+
+
+def collapsed(
+    rewards: list[tuple[int, float]], *, window: int = COLLAPSE_WINDOW, count: int = COLLAPSE_COUNT
+) -> bool:
+    """The pre-registered collapse: at least ``count`` of the last ``window`` rollout batches (by
+    step) have mean reward exactly 0."""
+    last = [value for _, value in sorted(rewards)][-window:]
+    return sum(value == 0.0 for value in last) >= count
+
+
+def final_validation(val_rewards: list[tuple[int, float]], window: int = VAL_WINDOW) -> float:
+    """The pre-registered learning outcome: the mean of the last ``window`` validation passes."""
+    return window_mean(val_rewards, window)
+
+
+def _hypergeometric(a: int, row1: int, col1: int, total: int) -> float:
+    return math.comb(col1, a) * math.comb(total - col1, row1 - a) / math.comb(total, row1)
+
+
+def fisher_exact(table: tuple[tuple[int, int], tuple[int, int]]) -> float:
+    """Two-sided p-value of Fisher's exact test of a 2×2 table ``((a, b), (c, d))``: the summed
+    probability, under fixed margins, of every table no more likely than the observed one
+    (the rule of R's ``fisher.test`` and SciPy's ``fisher_exact``)."""
+    (a, b), (c, d) = table
+    if min(a, b, c, d) < 0:
+        raise ValueError(f"table must hold counts >= 0; got {table!r}.")
+    row1, col1, total = a + b, a + c, a + b + c + d
+    if total == 0:
+        return 1.0
+    low, high = max(0, row1 + col1 - total), min(row1, col1)
+    observed = _hypergeometric(a, row1, col1, total)
+    probabilities = [_hypergeometric(x, row1, col1, total) for x in range(low, high + 1)]
+    return min(1.0, sum(p for p in probabilities if p <= observed * (1 + 1e-7)))
+
+
+@dataclass
+class Outcome:
+    """The pre-registered outcomes of one finished run."""
+
+    survived: bool
+    final_val: float
+
+
+def read_outcomes(
+    cells: Sequence[MapCell],
+    out: Path,
+    *,
+    collapse_window: int,
+    collapse_count: int,
+    val_window: int,
+) -> tuple[dict[MapCell, Outcome], list[MapCell]]:
+    """The outcome of every finished cell, and the cells without a marker (missing)."""
+    outcomes, missing = {}, []
+    for cell in cells:
+        if not (cell.folder(out) / "done.json").exists():
+            missing.append(cell)
+            continue
+        series = read_cell(cell.folder(out))
+        survived = not collapsed(
+            series["rollout/reward"], window=collapse_window, count=collapse_count
+        )
+        outcomes[cell] = Outcome(survived, final_validation(series["val/reward"], val_window))
+    return outcomes, missing
+
+
+def _key(cell: MapCell) -> tuple[str, str, int, float]:
+    return cell.config, cell.target, cell.lag, cell.lr
+
+
+def map_tables(outcomes: dict[MapCell, Outcome], warm_rewards: dict[int, float]) -> str:
+    """Markdown: per (configuration, target) a lag × lr table of survivors k/n, the mean final
+    validation reward and how many runs learned (above their warm start); the exact tests of
+    ``stable`` against ``recipe``; the paired difference of final validation reward to S = 0."""
+    groups: dict[tuple[str, str, int, float], list[tuple[MapCell, Outcome]]] = {}
+    for cell, outcome in outcomes.items():
+        groups.setdefault(_key(cell), []).append((cell, outcome))
+    sections = []
+    panels = sorted({(config, target) for config, target, _, _ in groups})
+    lags = sorted({lag for _, _, lag, _ in groups})
+    lrs = sorted({lr for _, _, _, lr in groups})
+    for config, target in panels:
+        rows = []
+        for lag in lags:
+            row: list[Any] = [lag]
+            for lr in lrs:
+                runs = groups.get((config, target, lag, lr), [])
+                if not runs:
+                    row.append("-")
+                    continue
+                alive = sum(o.survived for _, o in runs)
+                learned = sum(o.final_val > warm_rewards.get(c.warm, math.inf) for c, o in runs)
+                mean = sum(o.final_val for _, o in runs) / len(runs)
+                row.append(f"{alive}/{len(runs)} alive, val {mean:.3f}, {learned} learned")
+            rows.append(row)
+        header = ["S \\ actor lr", *(f"{lr:g}" for lr in lrs)]
+        sections.append(f"**{config}, {target}**\n\n" + markdown_table(header, rows))
+    tests = []
+    for config, target, lag, lr in sorted(groups):
+        if config != "stable" or ("recipe", target, lag, lr) not in groups:
+            continue
+        counts = []
+        for name in ("stable", "recipe"):
+            runs = groups[(name, target, lag, lr)]
+            alive = sum(o.survived for _, o in runs)
+            counts.append((alive, len(runs) - alive))
+        p = fisher_exact((counts[0], counts[1]))
+        tests.append(
+            [target, lag, f"{lr:g}", f"{counts[0][0]}/{sum(counts[0])}"]
+            + [f"{counts[1][0]}/{sum(counts[1])}", f"{p:.3g}"]
+        )
+    if tests:
+        header = ["target", "S", "actor lr", "stable alive", "recipe alive", "Fisher exact p"]
+        sections.append("**survival, stable vs recipe**\n\n" + markdown_table(header, tests))
+    diffs = []
+    for (config, target, lag, lr), runs in sorted(groups.items()):
+        on_policy = groups.get((config, target, 0, lr))
+        if lag == 0 or not on_policy:
+            continue
+        by_run = {(c.warm, c.seed): o.final_val for c, o in runs}
+        reference = {(c.warm, c.seed): o.final_val for c, o in on_policy}
+        shared = sorted(set(by_run) & set(reference))
+        if len(shared) < 2:
+            continue
+        index = {pair: i for i, pair in enumerate(shared)}
+        d, low, high, verdict = paired_difference(
+            {index[p]: by_run[p] for p in shared},
+            {index[p]: reference[p] for p in shared},
+            higher_is_better=True,
+        )
+        diffs.append(
+            [
+                config,
+                target,
+                lag,
+                f"{lr:g}",
+                len(shared),
+                f"{d:+.3f} [{low:+.3f}, {high:+.3f}]",
+                verdict,
+            ]
+        )
+    if diffs:
+        header = ["config", "target", "S", "actor lr", "runs", "Δ final val vs S = 0", "verdict"]
+        sections.append(
+            "**learning, against the on-policy run**\n\n" + markdown_table(header, diffs)
+        )
+    return "\n\n".join(sections)
+
+
+def map_figure(outcomes: dict[MapCell, Outcome], path: Path) -> None:
+    """PNG: one panel per (configuration, target); rows lag S, columns actor lr; each cell
+    coloured by the fraction of its runs that survived (red 0 → green 1) and labelled with the
+    mean final validation reward and k/n."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = sorted({(c.config, c.target) for c in outcomes})
+    lags = sorted({c.lag for c in outcomes})
+    lrs = sorted({c.lr for c in outcomes})
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(1.2 + 1.3 * len(lrs) * len(panels), 1.0 + 0.9 * len(lags)),
+        squeeze=False,
+    )  # fmt: skip
+    for ax, (config, target) in zip(axes[0], panels, strict=True):
+        fraction = [[math.nan] * len(lrs) for _ in lags]
+        for i, lag in enumerate(lags):
+            for j, lr in enumerate(lrs):
+                runs = [o for c, o in outcomes.items() if _key(c) == (config, target, lag, lr)]
+                if not runs:
+                    continue
+                alive = sum(o.survived for o in runs)
+                fraction[i][j] = alive / len(runs)
+                mean = sum(o.final_val for o in runs) / len(runs)
+                ax.text(
+                    j, i, f"{mean:.2f}\n{alive}/{len(runs)}", ha="center", va="center", fontsize=8
+                )
+        ax.imshow(fraction, cmap="RdYlGn", vmin=0.0, vmax=1.0, aspect="auto")
+        ax.set_xticks(range(len(lrs)), [f"{lr:g}" for lr in lrs])
+        ax.set_yticks(range(len(lags)), [str(lag) for lag in lags])
+        ax.set_xlabel("actor lr")
+        ax.set_ylabel("lag S")
+        ax.set_title(f"{config}, {target}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Command line: prepare the warm starts, run the missing cells, then write the map."""
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True, help="output folder (reused to resume)")
+    parser.add_argument(
+        "--configs", nargs="+", default=list(CONFIGURATIONS), choices=list(CONFIGURATIONS)
+    )
+    parser.add_argument("--targets", nargs="+", default=list(TARGETS))
+    parser.add_argument("--lags", type=int, nargs="+", default=list(LAGS))
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
+    parser.add_argument("--warm-seeds", type=int, nargs="+", default=[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--steps", type=int, default=200, help="rollout steps per cell")
+    parser.add_argument("--every", type=int, default=20, help="validate every this many steps")
+    parser.add_argument("--collapse-window", type=int, default=COLLAPSE_WINDOW)
+    parser.add_argument("--collapse-count", type=int, default=COLLAPSE_COUNT)
+    parser.add_argument("--val-window", type=int, default=VAL_WINDOW)
+    parser.add_argument("--workers", type=int, default=1, help="cells run at the same time")
+    parser.add_argument("--config", type=Path, default=RECIPE, help="the recipe")
+    parser.add_argument("--aggregate-only", action="store_true", help="run no cell")
+    parser.add_argument("extra", nargs="*", help="more CLI overrides for every run, after --")
+    args = parser.parse_args(argv)
+    if args.steps < args.every or args.steps % args.every:
+        parser.error(f"--steps ({args.steps}) must be a multiple of --every ({args.every}).")
+    if not 0 < args.collapse_count <= args.collapse_window:
+        parser.error(
+            f"--collapse-count must be in [1, --collapse-window={args.collapse_window}]; "
+            f"got {args.collapse_count}."
+        )
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1; got {args.workers}.")
+    cells = map_grid(args.configs, args.targets, args.lags, args.lrs, args.warm_seeds, args.seeds)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if not args.aggregate_only:
+        for warm in args.warm_seeds:
+            status = prepare_warm_start(args.out, warm, args.config, args.extra)
+            print(f"warm start {warm}: validation {status}", flush=True)
+        run = functools.partial(
+            map_command, out=args.out, steps=args.steps, every=args.every, recipe=args.config,
+            extra=args.extra,
+        )  # fmt: skip
+
+        def one(cell: MapCell) -> None:
+            status = run_marked(cell.folder(args.out), run(cell), {"cell": cell.__dict__})
+            print(f"{cell}: {status}", flush=True)
+
+        with ThreadPoolExecutor(args.workers) as pool:
+            list(pool.map(one, cells))
+    outcomes, missing = read_outcomes(
+        cells, args.out, collapse_window=args.collapse_window,
+        collapse_count=args.collapse_count, val_window=args.val_window,
+    )  # fmt: skip
+    warm_rewards = {warm: warm_validation(args.out, warm) for warm in args.warm_seeds}
+    text = map_tables(outcomes, warm_rewards)
+    (args.out / "map.md").write_text(text + "\n")
+    (args.out / "outcomes.json").write_text(
+        json.dumps([{**c.__dict__, **o.__dict__} for c, o in outcomes.items()], indent=1)
+    )
+    if outcomes:
+        map_figure(outcomes, args.out / "map.png")
+    print(text)
+    if missing:
+        print(f"missing cells ({len(missing)}): " + ", ".join(str(c) for c in missing))
+
+
+if __name__ == "__main__":
+    main()

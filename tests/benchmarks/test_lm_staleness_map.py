@@ -1,0 +1,137 @@
+"""The lag × lr map harness (``benchmarks/lm_staleness_map.py``): the pre-registered outcomes, the
+exact test and a 2-cell smoke run (the map itself needs ~20 CPU hours and is not run here)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import yaml
+
+from benchmarks import lm_staleness_map as lm_map
+from benchmarks.lm_staleness_map import MapCell, Outcome, collapsed, fisher_exact
+from tests.benchmarks.test_lm_staleness import fake_warm_start, tiny_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _slow_fisher(table: tuple[tuple[int, int], tuple[int, int]]) -> float:
+    """Every 2×2 table with the same margins, enumerated, probabilities from factorials."""
+    (a, b), (c, d) = table
+    n = a + b + c + d
+
+    def prob(x: int) -> float:
+        y, z = a + b - x, a + c - x
+        w = n - x - y - z
+        return (
+            math.factorial(a + b) * math.factorial(c + d) * math.factorial(a + c)
+            * math.factorial(b + d)
+            / (math.factorial(n) * math.factorial(x) * math.factorial(y) * math.factorial(z)
+               * math.factorial(w))
+        )  # fmt: skip
+
+    observed = prob(a)
+    total = 0.0
+    for x in range(0, a + b + 1):
+        if a + c - x < 0 or n - x - (a + b - x) - (a + c - x) < 0 or a + c - x > c + d:
+            continue
+        if prob(x) <= observed * (1 + 1e-7):
+            total += prob(x)
+    return min(1.0, total)
+
+
+@pytest.mark.parametrize(
+    "table",
+    [((5, 0), (0, 5)), ((3, 1), (1, 3)), ((0, 5), (0, 5)), ((1, 4), (5, 0)), ((2, 3), (4, 6))],
+)
+def test_fisher_exact_matches_an_enumeration_and_known_values(table):
+    assert math.isclose(fisher_exact(table), _slow_fisher(table), rel_tol=1e-12)
+
+
+def test_fisher_exact_known_values_and_scipy():
+    assert math.isclose(fisher_exact(((5, 0), (0, 5))), 2 / 252, rel_tol=1e-12)
+    assert math.isclose(fisher_exact(((3, 1), (1, 3))), 34 / 70, rel_tol=1e-12)
+    assert fisher_exact(((0, 5), (0, 5))) == 1.0
+    with pytest.raises(ValueError, match=r"^table must hold counts >= 0"):
+        fisher_exact(((-1, 2), (3, 4)))
+    stats = pytest.importorskip("scipy.stats")
+    for table in (((5, 0), (1, 4)), ((2, 3), (4, 6)), ((7, 3), (2, 8))):
+        assert math.isclose(fisher_exact(table), stats.fisher_exact(table)[1], rel_tol=1e-9)
+
+
+def test_the_collapse_rule_is_twenty_of_the_last_forty_batches_at_zero():
+    alive = [(step, 0.0 if step % 3 else 0.5) for step in range(200)]  # 26 of the last 40 at 0
+    assert collapsed(alive)
+    recovered = [(step, 0.0) for step in range(160)] + [(s, 0.1) for s in range(160, 181)]
+    recovered += [(s, 0.0) for s in range(181, 200)]  # 19 of the last 40 at 0
+    assert not collapsed(recovered)
+    assert collapsed(recovered[:-1] + [(199, 0.0), (200, 0.0)])  # one more zero: 20 of 40
+    assert not collapsed([(0, 0.0)] * 19)  # fewer than 20 batches cannot collapse
+
+
+def test_the_map_tables_count_survivors_and_test_the_configurations():
+    outcomes = {}
+    for seed in range(5):
+        outcomes[MapCell("recipe", "gae", 8, 2e-4, 0, seed)] = Outcome(False, 0.0)
+        outcomes[MapCell("stable", "gae", 8, 2e-4, 0, seed)] = Outcome(True, 0.4)
+        outcomes[MapCell("stable", "gae", 0, 2e-4, 0, seed)] = Outcome(True, 0.5 + seed / 100)
+    text = lm_map.map_tables(outcomes, {0: 0.3})
+    assert "| 8 | 5/5 alive, val 0.400, 5 learned |" in text
+    assert "| 8 | 0/5 alive, val 0.000, 0 learned |" in text
+    assert f"| gae | 8 | 0.0002 | 5/5 | 0/5 | {2 / 252:.3g} |" in text
+    assert "| stable | gae | 8 | 0.0002 | 5 | -0.120" in text
+
+
+def test_the_candidate_overlay_is_labelled_and_sets_what_the_docs_say():
+    text = (ROOT / "configs" / "async_stable.yaml").read_text()
+    assert text.startswith("# Overlay: CANDIDATE, NOT YET MAPPED.")
+    model = yaml.safe_load(text)["model"]
+    assert model["skip_equal_reward_batches"] is True
+    assert model["actor_objective"]["init_args"]["weight_cap"] == 2.0
+    assert model["actor_step_size"]["class_path"].endswith("ESSAdaptiveStepSize")
+
+
+def test_map_commands_differ_only_in_lr_lag_and_overlays(tmp_path: Path):
+    recipe = ROOT / "configs" / "evidence" / "long_count.yaml"
+    kw = dict(steps=200, every=20, recipe=recipe, extra=[])
+    base = lm_map.map_command(MapCell("recipe", "gae", 8, 5e-5, 1, 2), tmp_path, **kw)
+    stable = lm_map.map_command(MapCell("stable", "gae", 8, 5e-5, 1, 2), tmp_path, **kw)
+    assert "--model.actor_optimizer.init_args.lr=5e-05" in base
+    assert "--data.init_args.lag=8" in base and "--seed_everything=2" in base
+    assert str(tmp_path / "warm1" / "warm_start" / "actor") in " ".join(base)
+    base = [a for a in base if "save_dir=" not in a]
+    stable = [a for a in stable if "save_dir=" not in a]
+    at = base.index(str(ROOT / "configs" / "targets" / "gae.yaml")) + 1
+    overlay = ["--config", str(ROOT / "configs" / "async_stable.yaml")]
+    assert stable == base[:at] + overlay + base[at:]
+
+
+@pytest.mark.slow
+def test_a_two_cell_map_runs_resumes_and_writes_its_table_and_figure(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    recipe = tiny_recipe(tmp_path / "tiny.yaml")
+    out = tmp_path / "map"
+    fake_warm_start(lm_map.warm_folder(out, 0))
+    argv = ["--out", str(out), "--config", str(recipe), "--configs", "recipe", "--targets", "gae"]
+    argv += ["--lags", "0", "1", "--lrs", "1e-4", "--seeds", "0", "--warm-seeds", "0"]
+    argv += ["--steps", "3", "--every", "3", "--collapse-window", "3", "--collapse-count", "2"]
+    argv += ["--val-window", "1"]
+    lm_map.main(argv)
+    printed = capsys.readouterr().out
+    assert "warm start 0: validation done" in printed
+    cells = [MapCell("recipe", "gae", lag, 1e-4, 0, 0) for lag in (0, 1)]
+    for cell in cells:
+        assert f"{cell}: done" in printed
+    assert not math.isnan(lm_map.warm_validation(out, 0))
+    outcomes = json.loads((out / "outcomes.json").read_text())
+    assert sorted(o["lag"] for o in outcomes) == [0, 1]
+    table = (out / "map.md").read_text()
+    assert "**recipe, gae**" in table and ("1/1 alive" in table or "0/1 alive" in table)
+    assert (out / "map.png").stat().st_size > 0
+    lm_map.main(argv)  # rerun: every run has its marker
+    printed = capsys.readouterr().out
+    assert "warm start 0: validation skipped" in printed
+    assert all(f"{cell}: skipped" in printed for cell in cells)
