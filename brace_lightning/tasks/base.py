@@ -234,3 +234,32 @@ class RewardFunction(ABC):
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
         """Whether ``completion`` answers ``prompt`` correctly; default: reward > 0."""
         return self(prompt, completion) > 0.0
+
+
+class BatchedReward(RewardFunction):
+    """A reward that scores a whole rollout batch in one call (a learned reward model: one forward
+    over many completions instead of one per completion); subclass it and implement
+    :meth:`score_batch`.
+
+    The rollouts call :meth:`score_batch` once per batch with every sample's prompt and
+    completion; ``is_correct`` comes from the score alone (:meth:`correct`), so a sample costs one
+    score. A score that is not a finite number drops its sample; a call that raises drops the
+    batch's samples (each counted in ``dropped_reward_error``); with the data module's
+    ``reward_timeout`` the call may take that many seconds per sample.
+    """
+
+    @abstractmethod
+    def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+        """One reward per ``(prompts[i], completions[i])``, in order (``len(completions)`` of them)."""
+
+    def correct(self, score: float) -> bool:
+        """Whether a completion with reward ``score`` counts as correct; default: score > 0."""
+        return score > 0.0
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        """The reward of one completion (a batch of one)."""
+        return self.score_batch([prompt], [completion])[0]
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """:meth:`correct` of the completion's reward."""
+        return self.correct(self(prompt, completion))
