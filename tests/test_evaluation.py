@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 from fractions import Fraction
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,9 +16,18 @@ import torch
 from brace_lightning.cli import run
 from brace_lightning.data import RolloutDataModule
 from brace_lightning.data.eval_plan import EvaluationPlan
+from brace_lightning.logs import read_scalars
 from brace_lightning.metrics.pass_at_k import correct_per_prompt, pass_at_k, sampling_metrics
-from brace_lightning.tasks import ArithmeticReward, ArithmeticTask, CountingTask, JSONLPrompts
+from brace_lightning.models.handoff import ActorHandoff
+from brace_lightning.tasks import (
+    ArithmeticReward,
+    ArithmeticTask,
+    CountingTask,
+    HFPrompts,
+    JSONLPrompts,
+)
 from brace_lightning.tasks.split import held_out_score, in_split
+from tests.test_async import FAKE_ACTOR, ConstantReward, FakeEngine
 from tests.test_trainer import small_run
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -159,6 +170,40 @@ def test_evaluation_arguments_are_checked(kwargs: dict, match: str) -> None:
         RolloutDataModule(task=ArithmeticTask(), reward=ArithmeticReward(), **kwargs)
 
 
+def test_validation_batches_sample_a_hub_test_split_with_n_responses_and_report_pass_at_k(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("datasets")
+    folder = tmp_path / "held_out"
+    folder.mkdir()
+    rows = [{"question": f"{a}+{a}=", "label": str(2 * a)} for a in range(5)]
+    (folder / "test.jsonl").write_text("\n".join(json.dumps(row) for row in rows))
+    (folder / "train.jsonl").write_text(json.dumps({"question": "9+9=", "label": "18"}))
+    held_out = HFPrompts(str(folder), split="test", prompt_field="question", answer_field="label")
+    calls: list = []
+    dm = RolloutDataModule(
+        task=ArithmeticTask(seed=0),
+        reward=ConstantReward(),
+        engine=partial(FakeEngine, calls=calls),
+        prompts_per_step=2,
+        samples_per_prompt=2,
+        val_batches=2,
+        val_task=held_out,
+        val_samples_per_prompt=3,
+        pass_k=[1, 3],
+    )
+    dm.connect(ActorHandoff(FAKE_ACTOR, bucket_bytes=None))
+    batches = list(dm.val_dataloader())
+    asked = {dm.tokenizer.decode(ids) for call in calls for ids in call}
+    assert len(batches) == 2 and asked <= {row["question"] for row in rows}
+    for index, batch in enumerate(batches):
+        assert len(batch) == 2 * 3  # val_samples_per_prompt, not samples_per_prompt
+        assert batch.group_ids.tolist() == [2 * index] * 3 + [2 * index + 1] * 3
+        assert batch.info["mean@3"] == batch.info["pass@1"] == batch.info["pass@3"] == 1.0
+        assert batch.info["prompts"] == 2.0
+    assert len(list(dm.test_dataloader())) == 2 and len(calls) == 4  # test: the same batches
+
+
 # ---------------------------------------------------------------- validate and test
 
 
@@ -180,6 +225,10 @@ def test_validate_and_test_log_mean_and_pass_at_k_of_the_held_out_prompts(tmp_pa
     assert results["val/pass@1"] == pytest.approx(results["val/mean@4"])
     assert 0 < results["val/pass@1"] <= results["val/pass@2"] <= results["val/pass@4"] <= 1
     assert results["val/mean@4"] == pytest.approx(results["val/accuracy"])  # nothing dropped
+
+    fitted = run(small_run(tmp_path / "fit", *options))
+    scalars = read_scalars(fitted.trainer.logger.log_dir)
+    assert [step for step, _ in scalars["val/pass@4"]] == [2]  # fit validates at the epoch end
 
     tested = run(["test", *small_run(tmp_path / "test", *options)[1:]])
     scores = {k: float(v) for k, v in tested.trainer.callback_metrics.items()}

@@ -121,6 +121,21 @@ def test_reward_model_scores_are_its_forward_on_each_pair_alone(tiny_rm: Path) -
     assert reward.is_correct(prompts[1], completions[1]) == (alone[1] > alone[0])
 
 
+def test_max_length_keeps_the_last_tokens_and_template_changes_the_text(tiny_rm: Path) -> None:
+    model = AutoModelForSequenceClassification.from_pretrained(tiny_rm).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_rm)
+
+    def forward(text: str) -> float:
+        with torch.no_grad():
+            return float(model(**tokenizer(text, return_tensors="pt")).logits[0, 0])
+
+    prompt = Prompt(text="Name a colour:", answer="")
+    cut = RewardModel(str(tiny_rm), max_length=3).score_batch([prompt], ["red"])
+    assert cut == pytest.approx([forward("red")], abs=1e-5)  # the last 3 characters
+    templated = RewardModel(str(tiny_rm), template="Q: {prompt}\nA: {completion}")
+    assert templated(prompt, "red") == pytest.approx(forward("Q: Name a colour:\nA: red"), abs=1e-5)
+
+
 def test_reward_model_pickles_as_its_arguments_and_reloads(tiny_rm: Path) -> None:
     reward = RewardModel(str(tiny_rm), max_length=8)
     before = reward.score_batch(PROMPTS, ["x", "y"])
