@@ -15,8 +15,12 @@ import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from brace_lightning.cli import run
+from brace_lightning.critic_reward import CriticReward
+from brace_lightning.export import save_hf_folders
 from brace_lightning.logs import read_scalars
 from brace_lightning.models import load_tokenizer
+from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.sources import load_actor
 from brace_lightning.rollout.collect import score_and_pad
 from brace_lightning.rollout.engine import GenerationOutput
 from brace_lightning.tasks import BatchedReward, Prompt, RewardModel
@@ -186,3 +190,24 @@ def test_the_reward_model_overlay_trains_in_sync_and_async_mode(
     rewards = [value for _, value in scalars["rollout/reward"]]
     assert len(rewards) == 2 and all(math.isfinite(r) and r != 0.0 for r in rewards)
     assert [v for _, v in scalars["data/count/dropped_reward_error"]] == [0.0, 0.0]
+
+
+def test_an_exported_critic_scores_the_value_of_each_whole_pair(tmp_path: Path) -> None:
+    tokenizer = load_tokenizer("tiny-char")
+    actor = load_actor("tiny-char", tokenizer=tokenizer, hidden_size=32, num_layers=1, seed=0)
+    torch.manual_seed(0)
+    critic = ValueModel(actor.base_model, head_init_std=0.5).eval()
+    save_hf_folders(actor, critic, tokenizer, tmp_path / "exported")
+    # no spaces: the character tokenizer saved and read back by AutoTokenizer drops them
+    completions = ["2", "a-longer-answer", "blue"]
+    prompts = [Prompt(text="1+1=", answer="2"), Prompt(text="Colour:", answer="")] * 2
+    reward = CriticReward(str(tmp_path / "exported" / "critic"), batch_size=2)
+    got = reward.score_batch(prompts[:3], completions)
+    alone = []
+    for prompt, completion in zip(prompts[:3], completions, strict=True):
+        ids = torch.tensor([tokenizer(prompt.text + completion)["input_ids"]])
+        with torch.no_grad():
+            alone.append(float(critic(ids, torch.ones_like(ids))[0, -1]))
+    assert got == pytest.approx(alone, abs=1e-5) and len(set(alone)) == 3
+    with pytest.raises(ValueError, match="has no value_head.safetensors"):
+        CriticReward(str(tmp_path / "exported" / "actor")).score_batch(prompts[:1], ["x"])

@@ -84,12 +84,19 @@ class RewardModel(BatchedReward):
         return {**self.__dict__, "_model": None, "_tokenizer": None}
 
     def _load(self) -> None:
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+        from transformers import AutoTokenizer
 
         tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_name)
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side, tokenizer.truncation_side = "right", "left"
+        self._model = self._load_model(tokenizer).to(self.device).eval()
+        self._tokenizer = tokenizer
+
+    def _load_model(self, tokenizer: Any) -> torch.nn.Module:
+        """The sequence-classification model (``label`` checked against its head)."""
+        from transformers import AutoModelForSequenceClassification
+
         model = AutoModelForSequenceClassification.from_pretrained(self.model_name)
         if self.label >= model.config.num_labels:
             raise ValueError(
@@ -98,8 +105,12 @@ class RewardModel(BatchedReward):
             )
         if model.config.pad_token_id is None:  # the head reads the last token that is not padding
             model.config.pad_token_id = tokenizer.pad_token_id
-        self._model = model.to(self.device).eval()
-        self._tokenizer = tokenizer
+        return model
+
+    def _rewards(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """``[b]`` rewards of right-padded pairs ``[b, T]``: logit ``label``."""
+        logits = self._model(input_ids=input_ids, attention_mask=attention_mask).logits
+        return logits[:, self.label]  # logits: [b, num_labels]
 
     def render(self, prompt: Prompt, completion: str) -> str:
         """The text the reward model reads for one pair (module docstring)."""
@@ -127,8 +138,8 @@ class RewardModel(BatchedReward):
                 max_length=self.max_length,
                 return_tensors="pt",
             ).to(self.device)
-            logits = self._model(**encoded).logits  # [b, num_labels]
-            scores += logits[:, self.label].float().cpu().tolist()
+            rewards = self._rewards(encoded["input_ids"], encoded["attention_mask"])
+            scores += rewards.float().cpu().tolist()
         return scores
 
     def correct(self, score: float) -> bool:
