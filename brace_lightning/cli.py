@@ -1,4 +1,4 @@
-"""``brace-lightning``: the LightningCLI entry point (``fit``, ``validate``, ``--print_config``,
+"""``brace-lightning``: the LightningCLI entry point (``fit``, ``validate``, ``test``, ``--print_config``,
 ``--version``).
 
 brace-lightning fit --config configs/quickstart.yaml
@@ -55,7 +55,7 @@ DATA_HELP = (
 class BraceCLI(LightningCLI):
     """LightningCLI with the tokenizer of the data module linked to the actor of the model.
 
-    Subcommands are ``fit`` and ``validate`` (the module has no test or predict step); optimizers
+    Subcommands are ``fit``, ``validate`` and ``test`` (the module has no predict step); optimizers
     and schedulers are arguments of the model (``--model.actor_optimizer``), so LightningCLI's
     ``--optimizer``/``--lr_scheduler`` are not offered.
     """
@@ -63,7 +63,7 @@ class BraceCLI(LightningCLI):
     @staticmethod
     def subcommands() -> dict[str, set[str]]:
         commands = LightningCLI.subcommands()
-        return {name: commands[name] for name in ("fit", "validate")}
+        return {name: commands[name] for name in ("fit", "validate", "test")}
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         parser = super().init_parser(**kwargs)
@@ -153,6 +153,9 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
         "parser_kwargs": {
             "fit": {"description": f"Train with PPO. {DATA_HELP}"},
             "validate": {"description": f"Score on-policy rollouts. {DATA_HELP}"},
+            "test": {
+                "description": f"Score on-policy rollouts of the held-out prompts. {DATA_HELP}"
+            },
         },
     }
     kwargs.update(cli_kwargs)

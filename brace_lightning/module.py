@@ -32,6 +32,7 @@ from brace_lightning.console import quiet_lightning
 from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
 from brace_lightning.equal_rewards import EqualRewards
+from brace_lightning.evaluation import log_evaluation_batch
 from brace_lightning.hparams import (
     check_ewma_support,
     check_module_arguments,
@@ -172,24 +173,19 @@ class BraceModule(pl.LightningModule):
         self.critic_loss = critic_loss
         self._optimizers = (actor_optimizer or adamw(1e-6), critic_optimizer or adamw(1e-5))
         self._schedulers = (actor_scheduler, critic_scheduler)
-        self.ppo_epochs = ppo_epochs
-        self.num_minibatches = num_minibatches
+        self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
         self.scorer = Scorer(
             micro_batch_size=micro_batch_size,
             max_tokens=max_tokens_per_micro_batch,
             pack_sequences=pack_sequences,
         )
-        self.critic_warmup_steps = critic_warmup_steps
-        self.max_grad_norm = max_grad_norm
+        self.critic_warmup_steps, self.max_grad_norm = critic_warmup_steps, max_grad_norm
         self.whiten_advantages = whiten_advantages
         self.equal_rewards = EqualRewards(skip_equal_reward_batches, mask_equal_reward_groups)
         self.activation_checkpointing = activation_checkpointing
-        self.fsdp_mixed_precision = fsdp_mixed_precision
-        self.fsdp_cpu_offload = fsdp_cpu_offload
+        self.fsdp_mixed_precision, self.fsdp_cpu_offload = fsdp_mixed_precision, fsdp_cpu_offload
         self.weight_sync_bucket_bytes = bucket_bytes_from_mb(weight_sync_bucket_mb)
-        self.kl_coef = float(kl_coef)
-        self.kl_estimator = kl_estimator
-        self.kl_mode = kl_mode
+        self.kl_coef, self.kl_estimator, self.kl_mode = float(kl_coef), kl_estimator, kl_mode
         self.actor_step_size, self.log_version_drift = actor_step_size, log_version_drift
         self.tokenizer = load_tokenizer(actor)
         self.actor, self.critic, self._meta = build_actor_critic(
@@ -201,15 +197,14 @@ class BraceModule(pl.LightningModule):
             critic_from_actor=critic_from_actor,
             meta_init=fsdp_meta_init,
         )
-        self.ewma: EwmaPolicy | None = None
-        if actor_objective.ewma_decay is not None:
-            self.ewma = EwmaPolicy(self.actor, actor_objective.ewma_decay)
+        decay = actor_objective.ewma_decay
+        self.ewma = None if decay is None else EwmaPolicy(self.actor, decay)
         # Only with kl_coef > 0; captured at the first training step (_next_batch).
         self.reference = ReferencePolicy(self.actor) if self.kl_coef > 0 else None
         # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
         self.horizon_beta = HorizonBeta()
         # ĝ_π against Monte-Carlo returns of fresh on-policy rollouts (the validation batches).
-        self.val_value_gap = ValueBiasGap()
+        self.val_value_gap, self.test_value_gap = ValueBiasGap(), ValueBiasGap()
         self.policy_version = 0
         self.rollout_step = 0
         self._shuffle = torch.Generator().manual_seed(seed)
@@ -424,11 +419,16 @@ class BraceModule(pl.LightningModule):
         step_schedulers(self, actor_stepped=train_actor)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)
-        and the critic's value-bias gap to their realized returns (``val/value_gap_mc``)."""
-        batch = batch.to(self.device)
+        """Log on-policy rollouts of held-out prompts: reward, mean@n, pass@k (``evaluation.py``)."""
+        self._evaluate(batch.to(self.device), self.val_value_gap, "val")
+
+    def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
+        """As :meth:`validation_step`, logged under ``test/``."""
+        self._evaluate(batch.to(self.device), self.test_value_gap, "test")
+
+    def _evaluate(self, batch: RolloutBatch, gap: ValueBiasGap, prefix: str) -> None:
         values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
-        step_metrics.log_validation_step(self, batch, values)
+        log_evaluation_batch(self, batch, values, gap, prefix)
 
     # ------------------------------------------------------------------ helpers
 

@@ -240,21 +240,6 @@ def version_drift(
     return {"kl/version_drift_k3": float(masked_mean(log_r.exp() - 1.0 - log_r, batch.mask))}
 
 
-def log_validation_step(module: Any, batch: RolloutBatch, values: torch.Tensor) -> None:
-    """Log a validation batch of ``module`` (a ``BraceModule``): ``val/reward``
-    (mean@samples_per_prompt), ``val/response_length``, ``val/accuracy`` and the critic's
-    value-bias gap ``val/value_gap_mc`` of ``values`` ``[B, T]`` to the realized returns."""
-    realized = reward_to_go(batch.rewards, batch.mask, gamma=module.value_target.gamma)
-    module.val_value_gap.update(values, realized, batch.mask)
-    log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
-    module.log("step", float(module.rollout_step), reduce_fx="max", **log)
-    module.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
-    module.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
-    if batch.correct is not None:
-        module.log("val/accuracy", batch.correct.float().mean(), **log)
-    module.log("val/value_gap_mc", module.val_value_gap, **log)
-
-
 def beta_metrics(
     horizon_beta: HorizonBeta, batch: RolloutBatch, returns: torch.Tensor, gamma: float
 ) -> dict[str, float]:

@@ -26,8 +26,8 @@ def test_version_subcommands_and_optimizer_options(capsys: pytest.CaptureFixture
     assert code == 0 and out.strip() == f"brace-lightning {brace_lightning.__version__}"
 
     code, out = _exit(["--help"], capsys)
-    assert code == 0 and "{fit,validate}" in out
-    for gone in ("test", "predict"):
+    assert code == 0 and "{fit,validate,test}" in out
+    for gone in ("predict",):
         code, out = _exit([gone], capsys)
         assert code == 2 and "invalid choice" in out.lower(), out
 

@@ -226,6 +226,7 @@ def _ensure_checkpoint(path: str, workdir: Path) -> None:
 def run_fit(line: str, workdir: Path) -> None:
     """Trains STEPS rollout steps; a new TensorBoard run with STEPS logged rewards, and the
     checkpoints its ModelCheckpoint callbacks name."""
+    _prerequisites(line, workdir)
     before = _event_files(workdir)
     run(line, workdir, *_size_args(line))
     (events,) = _event_files(workdir) - before
@@ -242,13 +243,43 @@ def run_print_config(line: str, workdir: Path) -> None:
 
 
 def run_validate(line: str, workdir: Path) -> None:
-    """Validates on fresh rollouts (a checkpoint's, after the fit that writes it) and prints the
-    val/* table."""
-    for path in _option(_words(line), "--ckpt_path"):
+    """Validates (or tests) on fresh rollouts (a checkpoint's, after the fit that writes it) and
+    prints the val/* (test/*) table, with the mean@n and pass@k the line asks for."""
+    words = _words(line)
+    for path in _option(words, "--ckpt_path"):
         _ensure_checkpoint(path, workdir)
     out = run(line, workdir, *_size_args(line)).stdout
-    for metric in ("val/reward", "val/accuracy", "val/value_gap_mc"):
-        assert metric in out, out
+    prefix = "test" if words[1] == "test" else "val"
+    metrics = [f"{prefix}/{name}" for name in ("reward", "accuracy", "value_gap_mc")]
+    metrics += [f"{prefix}/mean@{n}" for n in _option(words, "--data.val_samples_per_prompt")]
+    for ks in _option(words, "--data.pass_k"):
+        metrics += [f"{prefix}/pass@{k}" for k in yaml.safe_load(ks)]
+    for metric in metrics:
+        assert metric in out, (metric, out)
+
+
+#: What a recipe needs that a docs command writes first (run before a fit that uses the recipe).
+PREREQUISITES = {
+    "configs/tasks/reward_model.yaml": (
+        ".venv/bin/python examples/tiny_reward_model.py checkpoints/tiny_reward_model"
+    ),
+}
+
+
+def _prerequisites(line: str, workdir: Path) -> None:
+    for config, command in PREREQUISITES.items():
+        if config in _option(_words(line), "--config"):
+            assert command in {c.line for c in COMMANDS}, (
+                f"no docs command writes what {config} reads"
+            )
+            run(command, workdir)
+
+
+def run_example_script(line: str, workdir: Path) -> None:
+    """An example script writes the folder it is given."""
+    run(line, workdir)
+    out = workdir / _words(line)[-1]
+    assert out.is_dir() and any(out.iterdir()), f"`{line}` wrote nothing to {out}"
 
 
 def _check_exported(out: Path) -> None:
@@ -484,7 +515,8 @@ KINDS = [
     Kind("gpu", GPU, run_gpu),
     Kind("print-config", PROGRAM + r" fit .* --print_config", run_print_config),
     Kind("fit", PROGRAM + r" fit --config .*", run_fit),
-    Kind("validate", PROGRAM + r" validate --config .*", run_validate),
+    Kind("validate", PROGRAM + r" (validate|test) --config .*", run_validate),
+    Kind("example-script", r"\.venv/bin/python examples/\w+\.py \S+", run_example_script),
     Kind("export", r"\.venv/bin/brace-lightning export --ckpt_path \S+ --out \S+", run_export),
     Kind("usage-form", r"brace-lightning export --ckpt_path CKPT --out DIR", run_usage_template),
     Kind("quickstart-script", r"bash scripts/quickstart\.sh", run_quickstart_script),

@@ -125,6 +125,12 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             ``rollout.reward_timeout.MAX_ABANDONED`` of them) and its sample dropped and counted in
             ``dropped_reward_error``; a batch whose every sample timed out stops the run. None =
             no limit (the verifier is called inline).
+        val_task: the validation and ``test`` prompts (e.g. ``brace_lightning.tasks.JSONLPrompts``
+            over a held-out file, or ``HFPrompts`` with a test split); None: the held-out part of
+            ``task`` when it has one (``split: train``), else ``task`` (``data/eval_plan.py``).
+        val_samples_per_prompt: responses per validation prompt, the n of mean@n and pass@k
+            (None: ``samples_per_prompt``).
+        pass_k: the k of each logged ``val/pass@k``, integers in [1, n] (None: ``[n]``).
     """
 
     def __init__(
@@ -147,6 +153,9 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
         val_batches: int = 0,
         max_consecutive_empty_batches: int = 10,
         reward_timeout: float | None = None,
+        val_task: PromptSource | None = None,
+        val_samples_per_prompt: int | None = None,
+        pass_k: list[int] | None = None,
     ) -> None:
         super().__init__(
             task=task,
@@ -162,6 +171,9 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             val_batches=val_batches,
             max_consecutive_empty_batches=max_consecutive_empty_batches,
             reward_timeout=reward_timeout,
+            val_task=val_task,
+            val_samples_per_prompt=val_samples_per_prompt,
+            pass_k=pass_k,
         )
         require_int("max_staleness", max_staleness, 0)
         require_int("producer_threads", producer_threads, 1)

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.empty import EmptyBatchGuard
+from brace_lightning.data.eval_plan import EvaluationPlan
 from brace_lightning.data.throughput import TokenThroughput
 from brace_lightning.models import load_tokenizer
 from brace_lightning.models.handoff import ActorHandoff
@@ -89,21 +90,29 @@ class RolloutDataModuleBase(PublishTarget):
     arguments; ``lag`` and ``max_staleness`` are checked by each, their rules differ).
 
     ``reward_timeout`` (seconds per sample, None = no limit) bounds every verifier call of
-    training and validation rollouts (``rollout/reward_timeout.py``).
+    training and validation rollouts (``rollout/reward_timeout.py``). ``val_task``,
+    ``val_samples_per_prompt`` and ``pass_k`` choose what ``validate``, ``test`` and ``fit``'s
+    validation sample and report (``data/eval_plan.py``).
     """
 
     def collect(
-        self, engine: RolloutEngine, prompts: Sequence[Prompt], *, group_id_offset: int
+        self,
+        engine: RolloutEngine,
+        prompts: Sequence[Prompt],
+        *,
+        group_id_offset: int,
+        num_samples: int | None = None,
     ) -> RolloutBatch:
-        """Generate ``samples_per_prompt`` responses to each of ``prompts`` with ``engine`` and
-        score them (the task's reward, or the tool environment's episodes)."""
+        """Generate ``num_samples`` (None: ``samples_per_prompt``) responses to each of
+        ``prompts`` with ``engine`` and score them (the task's reward, or the tool environment's
+        episodes)."""
         return collect_batch(
             engine,
             prompts,
             self.tokenizer,
             reward=self.reward,
             env=self.env,
-            num_samples=self.samples_per_prompt,
+            num_samples=self.samples_per_prompt if num_samples is None else num_samples,
             group_id_offset=group_id_offset,
             reward_timeout=self.reward_timeout,
         )
@@ -124,6 +133,9 @@ class RolloutDataModuleBase(PublishTarget):
         val_batches: int,
         max_consecutive_empty_batches: int,
         reward_timeout: float | None = None,
+        val_task: PromptSource | None = None,
+        val_samples_per_prompt: int | None = None,
+        pass_k: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         self._empty = EmptyBatchGuard(max_consecutive_empty_batches)
@@ -136,6 +148,11 @@ class RolloutDataModuleBase(PublishTarget):
             require_int(name, value, low)
         check_reward_or_env(reward, env)
         self.reward_timeout = check_reward_timeout(reward_timeout)
+        if val_samples_per_prompt is not None:
+            require_int("val_samples_per_prompt", val_samples_per_prompt, 1)
+        self.evaluation = EvaluationPlan.of(
+            task, val_task, val_samples_per_prompt or samples_per_prompt, pass_k
+        )
         self.task = task
         self.reward = reward
         self.env = env
@@ -168,11 +185,16 @@ class RolloutDataModuleBase(PublishTarget):
         return DataLoader(_RolloutStream(self), batch_size=None, num_workers=0)
 
     def val_dataloader(self) -> Any:
-        """``val_batches`` on-policy batches (an empty list when 0: no validation)."""
+        """``val_batches`` on-policy batches of the validation prompts (an empty list when 0: no
+        validation)."""
         if self.val_batches == 0:
             return []
         rollouts = _ValidationRollouts(self, self.val_batches, self.seed + 1)
         return DataLoader(rollouts, batch_size=None, num_workers=0)
+
+    def test_dataloader(self) -> Any:
+        """``test``'s batches: the validation batches (the held-out prompts, the same draws)."""
+        return self.val_dataloader()
 
     def next_batch(self) -> RolloutBatch:
         """The next rollout batch to train on."""
@@ -234,9 +256,11 @@ class _RolloutStream(IterableDataset):
 class _ValidationRollouts(IterableDataset):
     """``num_batches`` rollout batches sampled with the trainer's *current* actor weights.
 
-    Every validation pass draws the same prompts (a generator seeded with ``seed``) and builds a
-    fresh engine from the hand-off, so the rows are on-policy: their realized returns are unbiased
-    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_gap_mc``.
+    Every validation pass draws the same prompts (a generator seeded with ``seed``) from the
+    validation prompts (:class:`~brace_lightning.data.eval_plan.EvaluationPlan`) and builds a fresh
+    engine from the hand-off, so the rows are on-policy: their realized returns are unbiased
+    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_gap_mc``. Each batch's
+    ``info`` carries its mean@n and pass@k (``metrics/pass_at_k.py``).
     """
 
     def __init__(self, datamodule: RolloutDataModuleBase, num_batches: int, seed: int) -> None:
@@ -248,9 +272,15 @@ class _ValidationRollouts(IterableDataset):
         dm = self.datamodule
         engine = (dm.engine_factory or EmbeddedEngine)(dm.handoff.engine_model())
         generator = torch.Generator().manual_seed(self.seed)
+        plan = dm.evaluation
         try:
             for index in range(self.num_batches):
-                prompts = dm.task.sample(dm.prompts_per_step, generator)
-                yield dm.collect(engine, prompts, group_id_offset=index * len(prompts))
+                prompts = plan.prompts.sample(dm.prompts_per_step, generator)
+                offset = index * len(prompts)
+                batch = dm.collect(
+                    engine, prompts, group_id_offset=offset, num_samples=plan.samples_per_prompt
+                )
+                batch.info.update(plan.metrics(batch, offset, len(prompts)))
+                yield batch
         finally:
             engine.close()

@@ -8,9 +8,11 @@ column, the verifier's reward on the last action token).
 A reward function that raises (or returns a non-finite or non-numeric value) does not stop the run
 and its sample is not given a made-up reward: the sample is dropped and counted in
 ``batch.info["dropped_reward_error"]`` so that ``generated = kept + dropped`` stays visible.
-With ``reward_timeout`` set, a call that does not return within that many seconds is abandoned and
-its sample dropped and counted the same way (also in ``batch.info["reward_timeouts"]``); a batch
-whose every sample timed out ends the run with one sentence (``rollout/reward_timeout.py``).
+A :class:`~brace_lightning.tasks.base.BatchedReward` (a reward model) scores the whole batch in one
+call. With ``reward_timeout`` set, a call that does not return within that many seconds (per
+sample) is abandoned and its samples dropped and counted the same way (also in
+``batch.info["reward_timeouts"]``); a batch whose every sample timed out ends the run with one
+sentence (``rollout/reward_timeout.py``).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from brace_lightning.rollout.reward_timeout import (
     TooManyHungRewards,
 )
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.tasks.base import Prompt, RewardFunction, encode_prompts
+from brace_lightning.tasks.base import BatchedReward, Prompt, RewardFunction, encode_prompts
 
 logger = logging.getLogger(__name__)
 
@@ -136,12 +138,21 @@ def score_and_pad(
     kept, scores, correct = [], [], []
     dropped = timed_out = 0
     name = type(reward_fn).__name__
-    deadline = None if reward_timeout is None else RewardDeadline(reward_timeout, name, heartbeat)
+    # a batched reward gets reward_timeout seconds per sample for its one call
+    limit = None if reward_timeout is None else reward_timeout * _calls_per_sample(reward_fn, out)
+    deadline = None if limit is None else RewardDeadline(limit, name, heartbeat)
     with deadline or contextlib.nullcontext():
+        batched = None
+        if isinstance(reward_fn, BatchedReward):
+            batched = _score_batch(
+                reward_fn, [prompts[i] for i in out.prompt_index], texts, deadline
+            )
         for i, (index, text) in enumerate(zip(out.prompt_index, texts, strict=True)):
             prompt = prompts[index]
             try:
-                if deadline is None:
+                if batched is not None:
+                    score, is_correct = _outcome(batched[i])
+                elif deadline is None:
                     score, is_correct = _score(reward_fn, prompt, text)
                 else:
                     score, is_correct = deadline.call(_score, reward_fn, prompt, text)
@@ -186,10 +197,64 @@ def _score(reward_fn: RewardFunction, prompt: Prompt, text: str) -> tuple[float,
     Raises:
         ValueError: when the reward is not a finite int or float (bool excluded).
     """
-    score = reward_fn(prompt, text)
+    score = _finite(reward_fn(prompt, text))
+    return score, bool(reward_fn.is_correct(prompt, text))
+
+
+def _finite(score: object) -> float:
+    """``score`` as a float; ValueError unless it is a finite int or float (bool excluded)."""
     if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
         raise ValueError(f"reward function returned {score!r}; expected a finite float.")
-    return float(score), bool(reward_fn.is_correct(prompt, text))
+    return float(score)
+
+
+def _calls_per_sample(reward_fn: RewardFunction, out: GenerationOutput) -> int:
+    """Samples one timed call scores: the whole batch for a :class:`BatchedReward`, else one."""
+    return max(len(out), 1) if isinstance(reward_fn, BatchedReward) else 1
+
+
+def _score_batch(
+    reward_fn: BatchedReward,
+    prompts: Sequence[Prompt],
+    texts: Sequence[str],
+    deadline: RewardDeadline | None,
+) -> list[tuple[float, bool] | Exception]:
+    """Every sample's ``(reward, is_correct)`` from one ``score_batch`` call, or the error that
+    drops it: the call's own error (or timeout) for every sample, or a per-sample ValueError for
+    a score that is not a finite number.
+
+    Raises:
+        TooManyHungRewards: as :meth:`RewardDeadline.call`.
+    """
+    try:
+        if deadline is None:
+            raw = reward_fn.score_batch(prompts, texts)
+        else:
+            raw = deadline.call(reward_fn.score_batch, prompts, texts)
+        if len(raw) != len(texts):
+            raise ValueError(
+                f"{type(reward_fn).__name__}.score_batch returned {len(raw)} rewards for "
+                f"{len(texts)} completions; expected one per completion."
+            )
+    except TooManyHungRewards:
+        raise
+    except Exception as error:  # a user's reward model must not kill the run
+        return [error] * len(texts)
+    outcomes: list[tuple[float, bool] | Exception] = []
+    for value in raw:
+        try:
+            score = _finite(value)
+            outcomes.append((score, bool(reward_fn.correct(score))))
+        except Exception as error:
+            outcomes.append(error)
+    return outcomes
+
+
+def _outcome(outcome: tuple[float, bool] | Exception) -> tuple[float, bool]:
+    """The ``(reward, is_correct)`` of a :func:`_score_batch` outcome; its error raised."""
+    if isinstance(outcome, Exception):
+        raise outcome
+    return outcome
 
 
 def generation_batch(out: GenerationOutput, pad_id: int = 0) -> RolloutBatch:

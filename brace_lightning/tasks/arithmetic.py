@@ -84,6 +84,9 @@ class ArithmeticTask(GeneratedTask):
         tool_calls: the reference solutions of :meth:`supervised_pairs` compute every step with the
             calculator tool of ``tasks/calculator.py`` (:meth:`tool_solution`), so a warm-started
             policy calls it; the prompts and answers are the same.
+        split: ``"all"`` (every prompt), ``"train"`` (never a held-out prompt; validation then
+            draws the held-out ones) or ``"held_out"`` (only those): ``tasks/split.py``.
+        held_out_fraction: the share of prompt texts held out when ``split`` is not ``"all"``.
     """
 
     def __init__(
@@ -93,6 +96,8 @@ class ArithmeticTask(GeneratedTask):
         ops: str = "+-",
         seed: int | None = None,
         tool_calls: bool = False,
+        split: str = "all",
+        held_out_fraction: float = 0.1,
     ) -> None:
         low, high = (num_operands, num_operands) if isinstance(num_operands, int) else num_operands
         if not 2 <= low <= high:
@@ -112,6 +117,7 @@ class ArithmeticTask(GeneratedTask):
         self.seed = run_seed(seed)
         require_bool("tool_calls", tool_calls)
         self.tool_calls = tool_calls
+        self.set_split(split, held_out_fraction)
 
     def draw(self, generator: torch.Generator) -> Prompt:
         """One random prompt drawn with ``generator``."""

@@ -17,12 +17,15 @@ supervised warm start trains on), so a prompt is encoded the same way everywhere
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from brace_lightning.tasks.split import MAX_REDRAWS, check_split, in_split
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -102,16 +105,51 @@ class PromptSource(ABC):
     def __iter__(self) -> Iterator[Prompt]:
         """Prompts in a deterministic order (the same on every call)."""
 
+    def held_out(self) -> PromptSource | None:
+        """The prompts kept out of this source's training draws, as a source of their own (the
+        default validation prompts of the data modules), or None when it keeps none back."""
+        return None
+
 
 class GeneratedTask(PromptSource):
     """A procedurally generated task: prompts drawn one at a time by :meth:`draw`, each with a
     reference completion (:meth:`reference`) for a supervised warm start.
 
     Gives :meth:`sample`, a seeded endless :meth:`__iter__` and :meth:`supervised_pairs`; subclasses
-    set ``self.seed`` and implement :meth:`draw` and :meth:`reference`.
+    set ``self.seed`` and implement :meth:`draw` and :meth:`reference`. A subclass that takes
+    ``split`` and ``held_out_fraction`` and calls :meth:`set_split` gets the disjoint parts of
+    ``tasks/split.py``: with ``split="train"`` every draw (warm-start pairs included) skips the
+    held-out prompts and :meth:`held_out` is the task drawing only those.
     """
 
     seed: int
+    split: str = "all"
+    held_out_fraction: float = 0.1
+
+    def set_split(self, split: str, held_out_fraction: float) -> None:
+        """Keep the part of the task this instance draws from (checked: ``tasks/split.py``)."""
+        self.split, self.held_out_fraction = check_split(split, held_out_fraction)
+
+    def held_out(self) -> GeneratedTask | None:
+        """With ``split="train"``: a copy of this task that draws only the held-out prompts (the
+        same arguments and seed); else None (``"all"`` keeps nothing back)."""
+        if self.split != "train":
+            return None
+        part = copy.copy(self)
+        part.split = "held_out"
+        return part
+
+    def _draw_in_split(self, generator: torch.Generator) -> Prompt:
+        """:meth:`draw` until the prompt belongs to ``split`` (one draw for ``"all"``)."""
+        for _ in range(MAX_REDRAWS):
+            prompt = self.draw(generator)
+            if in_split(prompt.text, self.split, self.held_out_fraction):
+                return prompt
+        raise ValueError(
+            f"{type(self).__name__} drew {MAX_REDRAWS} prompts outside split={self.split!r} in a "
+            f"row; expected a held_out_fraction ({self.held_out_fraction:g}) that leaves both "
+            "parts of the task's prompts non-empty."
+        )
 
     @abstractmethod
     def draw(self, generator: torch.Generator) -> Prompt:
@@ -125,13 +163,13 @@ class GeneratedTask(PromptSource):
         """``n`` random prompts drawn with ``generator``."""
         if n < 0:
             raise ValueError(f"sample got n={n}; expected an integer >= 0.")
-        return [self.draw(generator) for _ in range(n)]
+        return [self._draw_in_split(generator) for _ in range(n)]
 
     def __iter__(self) -> Iterator[Prompt]:
         """An endless stream of prompts, identical on every call (seeded by ``seed``)."""
         generator = torch.Generator().manual_seed(self.seed)
         while True:
-            yield self.draw(generator)
+            yield self._draw_in_split(generator)
 
     def supervised_pairs(self, n: int, *, seed: int | None = None) -> list[tuple[str, str]]:
         """``n`` ``(prompt text, reference completion)`` pairs for a supervised warm start.
@@ -196,3 +234,32 @@ class RewardFunction(ABC):
     def is_correct(self, prompt: Prompt, completion: str) -> bool:
         """Whether ``completion`` answers ``prompt`` correctly; default: reward > 0."""
         return self(prompt, completion) > 0.0
+
+
+class BatchedReward(RewardFunction):
+    """A reward that scores a whole rollout batch in one call (a learned reward model: one forward
+    over many completions instead of one per completion); subclass it and implement
+    :meth:`score_batch`.
+
+    The rollouts call :meth:`score_batch` once per batch with every sample's prompt and
+    completion; ``is_correct`` comes from the score alone (:meth:`correct`), so a sample costs one
+    score. A score that is not a finite number drops its sample; a call that raises drops the
+    batch's samples (each counted in ``dropped_reward_error``); with the data module's
+    ``reward_timeout`` the call may take that many seconds per sample.
+    """
+
+    @abstractmethod
+    def score_batch(self, prompts: Sequence[Prompt], completions: Sequence[str]) -> list[float]:
+        """One reward per ``(prompts[i], completions[i])``, in order (``len(completions)`` of them)."""
+
+    def correct(self, score: float) -> bool:
+        """Whether a completion with reward ``score`` counts as correct; default: score > 0."""
+        return score > 0.0
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        """The reward of one completion (a batch of one)."""
+        return self.score_batch([prompt], [completion])[0]
+
+    def is_correct(self, prompt: Prompt, completion: str) -> bool:
+        """:meth:`correct` of the completion's reward."""
+        return self.correct(self(prompt, completion))

@@ -55,6 +55,9 @@ class CountingTask(GeneratedTask):
         end_multiple: when set, every list ends at a multiple of it (e.g. 100: ``152:200=``), so
             where to stop shows in the numbers themselves and not only in the prompt's ``b``; the
             ends are drawn uniformly among the multiples in range.
+        split: ``"all"`` (every prompt), ``"train"`` (never a held-out prompt; validation then
+            draws the held-out ones) or ``"held_out"`` (only those): ``tasks/split.py``.
+        held_out_fraction: the share of prompt texts held out when ``split`` is not ``"all"``.
     """
 
     def __init__(
@@ -64,6 +67,8 @@ class CountingTask(GeneratedTask):
         high: int = 999,
         seed: int | None = None,
         end_multiple: int | None = None,
+        split: str = "all",
+        held_out_fraction: float = 0.1,
     ) -> None:
         pair = (span, span) if _is_int(span) else span
         span_low, span_high = pair if isinstance(pair, tuple | list) and len(pair) == 2 else (0, 0)
@@ -91,6 +96,7 @@ class CountingTask(GeneratedTask):
         self.low = int(low)
         self.high = int(high)
         self.seed = run_seed(seed)
+        self.set_split(split, held_out_fraction)
 
     def draw(self, generator: torch.Generator) -> Prompt:
         """One random prompt drawn with ``generator``."""
