@@ -23,11 +23,14 @@ import pytest
 
 from brace_lightning.rollout import vllm_server
 from brace_lightning.rollout.orphans import PARENT_PID_ENV
+from brace_lightning.rollout.server_auth import API_KEY_ENV
 from brace_lightning.rollout.vllm_server import (
     DEV_MODE_ENV,
+    VLLM_API_KEY_ENV,
     dev_routes_warning,
     is_loopback,
     serve_arguments,
+    server_secret,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -45,33 +48,60 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> dict[str, object]:
 
     module.main = record  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "vllm.entrypoints.cli.main", module)
-    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k != PARENT_PID_ENV})
+    drop = (PARENT_PID_ENV, API_KEY_ENV, VLLM_API_KEY_ENV)
+    monkeypatch.setattr(os, "environ", {k: v for k, v in os.environ.items() if k not in drop})
     monkeypatch.setattr(sys, "argv", list(sys.argv))
     monkeypatch.setattr(importlib.metadata, "version", importlib.metadata.version)
     return seen
 
 
+GUARD = ["--middleware", "brace_lightning.rollout.server_auth.SecretMiddleware"]
+
+
 def test_the_launcher_listens_on_loopback_unless_host_is_given(fake_vllm, capsys):
+    os.environ[API_KEY_ENV] = "k"
     vllm_server.main(["MODEL", "--port", "8000"])
-    assert fake_vllm["argv"] == ["vllm", "serve", "MODEL", "--port", "8000", "--host", "127.0.0.1"]
+    assert fake_vllm["argv"] == [
+        "vllm", "serve", "MODEL", "--port", "8000", "--host", "127.0.0.1", *GUARD
+    ]  # fmt: skip
     assert fake_vllm["dev_mode"] == "1"
     assert capsys.readouterr().err == ""
     vllm_server.main(["MODEL", "--host", "10.1.2.3"])
-    assert fake_vllm["argv"] == ["vllm", "serve", "MODEL", "--host", "10.1.2.3"]
+    assert fake_vllm["argv"] == ["vllm", "serve", "MODEL", "--host", "10.1.2.3", *GUARD]
 
 
 def test_development_routes_on_a_reachable_host_are_warned_about(fake_vllm, capsys):
+    os.environ[API_KEY_ENV] = "k"
     vllm_server.main(["MODEL", "--host=0.0.0.0", "--port", "8000"])
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [
         "warning: this vLLM server listens on host '0.0.0.0' with VLLM_SERVER_DEV_MODE=1, whose "
-        "routes (/collective_rpc reload_weights, /update_weight_version, /pause) take no API key, "
-        "so anyone who can reach that address can replace the weights it samples from; keep the "
-        "default host 127.0.0.1 unless only machines you trust can reach it."
+        "routes (/collective_rpc reload_weights, /update_weight_version, /pause) trust whoever "
+        "sends its API key, which HTTP carries in clear text, so anyone who can read the traffic "
+        "to that address can replace the weights it samples from; keep the default host "
+        "127.0.0.1 unless only machines you trust can reach it."
     ]
     os.environ[DEV_MODE_ENV] = "0"  # routes off: nothing to warn about
     vllm_server.main(["MODEL", "--host", "0.0.0.0"])
     assert capsys.readouterr().err == ""
+
+
+def test_the_launcher_guards_every_route_with_a_secret_from_its_environment(fake_vllm, capsys):
+    # no key given: a fresh one, printed once for the trainer, never on the server's command line
+    vllm_server.main(["MODEL"])
+    fresh = os.environ[API_KEY_ENV]
+    assert len(fresh) >= 40 and fresh not in fake_vllm["argv"] and fake_vllm["argv"][-2:] == GUARD
+    assert capsys.readouterr().err.splitlines() == [
+        f"vLLM server API key: {fresh} (every route asks for it; give it to the trainer as "
+        f"{API_KEY_ENV} or the engine's api_key)"
+    ]
+    vllm_server.main(["MODEL"])
+    assert os.environ[API_KEY_ENV] == fresh and capsys.readouterr().err == ""  # given: not printed
+    # vLLM's own key (--api-key or VLLM_API_KEY) becomes the secret, so one key opens every route
+    for argv, environ in ((["M", "--api-key", "mine"], {}), (["M"], {VLLM_API_KEY_ENV: "mine"})):
+        assert server_secret(argv, environ) is None and environ[API_KEY_ENV] == "mine"
+    with pytest.raises(SystemExit, match=f"error: {API_KEY_ENV} and --api-key differ"):
+        server_secret(["M", "--api-key", "mine"], {API_KEY_ENV: "other"})
 
 
 def test_serve_arguments_and_the_loopback_test():
