@@ -388,12 +388,13 @@ class VLLMServerEngine(SeededRequestEngine):
     # ------------------------------------------------------------------ state
 
     def served_versions(self) -> list[int | str]:
-        """The version each server reports (``GET /weight_info``), in ``urls`` order."""
-        out: list[int | str] = []
-        for url in self.urls:
-            label = str(self._get(url, "/weight_info")["weight_version"])
-            out.append(int(label) if label.lstrip("-").isdigit() else label)
-        return out
+        """The version each server reports (``GET /weight_info``), in ``urls`` order; the
+        servers' liveness is probed meanwhile (a dead engine core never answers it)."""
+        return self._watched([partial(self._served_version, url) for url in self.urls], 8)
+
+    def _served_version(self, url: str) -> int | str:
+        label = str(self._get(url, "/weight_info")["weight_version"])
+        return int(label) if label.lstrip("-").isdigit() else label
 
     # ------------------------------------------------------------------ weights
 
@@ -414,22 +415,27 @@ class VLLMServerEngine(SeededRequestEngine):
         # clone: tied weights share storage, which safetensors refuses to write twice
         tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}
         save_file(tensors, str(folder / "model.safetensors"))
+        # one server after the other, as before; the liveness probe watches meanwhile
         for url in self.urls:
-            self._post(url, "/pause?mode=wait")
-            try:
-                self._post(
-                    url,
-                    "/collective_rpc",
-                    {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
-                )
-                self._post(url, "/reset_prefix_cache")
-                self._post(url, "/update_weight_version", {"new_version": str(int(version))})
-            finally:
-                self._post(url, "/resume")
+            self._watched([partial(self._reload, url, folder, int(version))], 1)
         for old in self.weights_dir.glob("v*"):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
         self._version = int(version)
+
+    def _reload(self, url: str, folder: Path, version: int) -> None:
+        """Have the server at ``url`` pause, reload ``folder`` as ``version`` and resume."""
+        self._post(url, "/pause?mode=wait")
+        try:
+            self._post(
+                url,
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+            )
+            self._post(url, "/reset_prefix_cache")
+            self._post(url, "/update_weight_version", {"new_version": str(version)})
+        finally:
+            self._post(url, "/resume")
 
     # ------------------------------------------------------------------ sampling
 
@@ -475,7 +481,7 @@ class VLLMServerEngine(SeededRequestEngine):
             choices = self._post(self.urls[server], "/v1/completions", body)["choices"]
             return sorted(choices, key=lambda c: c["index"])
 
-        workers = max(1, min(len(prompts), 8 * len(self.urls)))
+        workers = max(1, min(len(prompts), 8 * len(self.urls)))  # after the version check
         answers = self._watched([partial(complete, j) for j in range(len(prompts))], workers)
         result = GenerationOutput([], [], [], [], [], [], None, truncated_prompts=truncated)
         for j, choices in enumerate(answers):
@@ -518,7 +524,7 @@ class VLLMServerEngine(SeededRequestEngine):
                 except BaseException as error:  # handed to the waiting thread
                     done.put((i, None, error))
 
-        for _ in range(workers):
+        for _ in range(min(workers, len(calls))):
             threading.Thread(target=work, name="vllm-request", daemon=True).start()
         results: list[Any] = [None] * len(calls)
         failing: dict[str, tuple[float, str]] = {}
