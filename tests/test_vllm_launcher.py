@@ -16,7 +16,6 @@ import subprocess
 import sys
 import time
 import types
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -150,7 +149,7 @@ def test_a_by_hand_server_listens_on_loopback_only(tmp_path):
     command += ["--port", str(port), "--dtype", "float32", "--max-model-len", "64"]
     command += list(vllm_server.SERVER_FLAGS)
     env = {k: v for k, v in os.environ.items() if k not in (DEV_MODE_ENV, PARENT_PID_ENV)}
-    env |= {PARENT_PID_ENV: str(os.getpid()), "PYTHONPATH": str(ROOT)}
+    env |= {PARENT_PID_ENV: str(os.getpid()), "PYTHONPATH": str(ROOT), API_KEY_ENV: "by-hand"}
     with open(tmp_path / "log", "wb") as log:
         server = subprocess.Popen(
             command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
@@ -158,16 +157,14 @@ def test_a_by_hand_server_listens_on_loopback_only(tmp_path):
     try:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline and server.poll() is None:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                time.sleep(1.0)
+            if vllm_server.health(f"http://127.0.0.1:{port}", "by-hand", timeout=5.0) is None:
+                break
+            time.sleep(1.0)
         else:
             pytest.fail(f"server not ready: {(tmp_path / 'log').read_text()[-2000:]}")
         assert _listening(port) == {"0100007F"}  # 127.0.0.1 only, not 0.0.0.0 or ::
         assert "warning: this vLLM server listens" not in (tmp_path / "log").read_text()
+        assert "vLLM server API key:" not in (tmp_path / "log").read_text()  # given: not printed
     finally:
         os.killpg(server.pid, 15)
         server.wait(timeout=60)

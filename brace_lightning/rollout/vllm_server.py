@@ -18,7 +18,7 @@ same interface as the in-process engines.
   before every generation and refuses to sample from a server that serves another version.
 - **Failures**: an unreachable server, a server that died (its exit code and log tail for one the
   client launched) or an HTTP error raise one :class:`VLLMServerError` sentence naming the server.
-  While a generation is in flight the client watches every server (a launched server's process, and
+  While a request is in flight the client watches every server (a launched server's process, and
   ``GET /health``): one that exited, or failed ``/health`` for ``liveness_timeout`` seconds (a dead
   engine core), is reported within seconds rather than after ``request_timeout``.
 - **Authentication**: every route of a server we launch, the development routes included, needs the
@@ -264,9 +264,9 @@ class VLLMServerEngine(SeededRequestEngine):
             None reads ``BRACE_VLLM_API_KEY`` from the environment (prefer it: this argument is
             saved with the run's config), and no key is sent when that is unset too. A launched
             server gets a fresh secret of its own.
-        liveness_timeout: seconds a server may fail ``GET /health`` while a generation is in
-            flight before the call fails naming it (a launched server whose process exited fails
-            it at once); probed every second.
+        liveness_timeout: seconds a server may fail ``GET /health`` while a request is in flight
+            (a generation, the version check, a weight reload) before the call fails naming it (a
+            launched server whose process exited fails it at once); probed every second.
         max_prompt_tokens, truncation: as for :class:`~brace_lightning.rollout.vllm.VLLMEngine`
             (the context is the actor's ``max_position_embeddings``).
     """
@@ -553,7 +553,7 @@ class VLLMServerEngine(SeededRequestEngine):
             if not server.alive:
                 raise VLLMServerError(
                     f"vLLM server at {server.url} died (exit code {server.process.returncode}) "
-                    f"while generating; its log ends with: {server.log_tail()}"
+                    f"while a request was in flight; its log ends with: {server.log_tail()}"
                 )
         now = time.monotonic()
         for url in self.urls:
@@ -565,8 +565,8 @@ class VLLMServerEngine(SeededRequestEngine):
             if time.monotonic() - since >= self.liveness_timeout:
                 raise VLLMServerError(
                     f"vLLM server at {url} has failed GET /health for "
-                    f"{time.monotonic() - since:.0f} s while generating ({first}); expected a "
-                    f"live server: it, or its engine core, is down{self._log_of(url)}."
+                    f"{time.monotonic() - since:.0f} s while a request was in flight ({first}); "
+                    f"expected a live server: it, or its engine core, is down{self._log_of(url)}."
                 )
 
     def _log_of(self, url: str) -> str:
