@@ -803,6 +803,38 @@ def test_ctrl_c_stops_the_producer_process(tmp_path):
         assert gone(pid), "the producer outlived the trainer"
 
 
+@pytest.mark.slow
+def test_sigterm_to_the_process_group_leaves_the_producer_to_the_trainer(tmp_path):
+    # `scancel` and systemd send SIGTERM to every process of the job: a producer that died of it
+    # first would fail the step the trainer is finishing and lose its checkpoint
+    args = small_run(
+        tmp_path,
+        "--config",
+        str(CONFIGS / "async.yaml"),
+        "--trainer.callbacks+=tests.test_async.PrintProducerPid",
+        "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
+        f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.callbacks.save_last=true",
+        steps=100000,
+    )
+    with trainer_with_producer(args, start_new_session=True) as (process, pid):
+        os.kill(pid, signal.SIGTERM)  # the producer alone first: it must not die of it
+        time.sleep(1.5)
+        assert not gone(pid), "the producer died of SIGTERM"
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            rest, _ = process.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the trainer did not exit within 60 s of SIGTERM:\n{stack_dump(process)}")
+        assert "rollout producer" not in rest, rest[-2000:]
+        assert (tmp_path / "ckpt" / "last.ckpt").is_file(), rest[-2000:]
+        deadline = time.monotonic() + 5
+        while not gone(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert gone(pid), "the producer outlived the trainer"
+
+
 @pytest.mark.skipif(
     not sys.platform.startswith("linux") or platform.libc_ver()[0] != "glibc",
     reason="mallopt is glibc's",

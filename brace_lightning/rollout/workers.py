@@ -39,7 +39,9 @@ Which weights serve a request:
 
 A spawned producer builds its engine from the actor's Hugging Face config and reads the weights from
 the shared-memory slots (the LightningModule is never pickled). It uses ``torch_threads`` threads,
-ignores SIGINT (the trainer stops it: Ctrl-C reaches the whole process group), and ends with the
+ignores SIGINT and SIGTERM (:data:`STOP_SIGNALS`; the trainer stops it: Ctrl-C, ``scancel`` and
+systemd signal the whole process group, and a producer that died first would cost the trainer the
+step it is finishing), and ends with the
 training process even in the middle of a decoding step or a hung engine call
 (``rollout/orphans.py``: Linux's parent-death signal and a watchdog thread). It beats a heartbeat at every decoding step and while idle, so
 the trainer tells a hung producer from a slow one.
@@ -90,6 +92,9 @@ EngineFactory = Callable[[nn.Module], RolloutEngine]
 
 #: Seconds between two looks at the command queue while idle (also the heartbeat period then).
 POLL_SECONDS = 0.2
+#: Signals a producer process ignores: sent to a whole process group (Ctrl-C, ``scancel``,
+#: systemd), they are the trainer's to handle; it stops the producer itself.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 @dataclass(frozen=True)
@@ -489,7 +494,8 @@ def _process_main(
 ) -> None:
     """Entry point of a spawned producer: build the engine from the config, then serve."""
     die_with_parent(parent_pid)  # gone within a second of the trainer, whatever the engine does
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in STOP_SIGNALS:  # also set before the spawn; kept ignored whatever the start did
+        signal.signal(sig, signal.SIG_IGN)
     keep_freed_memory()
     torch.set_num_threads(spec.torch_threads)
     try:
@@ -555,16 +561,18 @@ class ProducerHandle:
             name="rollout-producer",
             daemon=True,
         )
-        # The child inherits SIGINT ignored from birth: Ctrl-C goes to the whole process group and
-        # the trainer, not the producer, decides when the producer stops.
-        previous = None
-        with contextlib.suppress(ValueError):  # not the main thread: keep the handler
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # The child inherits SIGINT and SIGTERM ignored from birth: Ctrl-C, `scancel` and systemd
+        # signal the whole process group, and the trainer, not the producer, decides when the
+        # producer stops (after the step's checkpoint).
+        previous: dict[int, Any] = {}
+        with contextlib.suppress(ValueError):  # not the main thread: keep the handlers
+            for sig in STOP_SIGNALS:
+                previous[sig] = signal.signal(sig, signal.SIG_IGN)
         try:
             process.start()
         finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
         return cls(commands=commands, results=results, heartbeat=heartbeat, worker=process)
 
     @classmethod

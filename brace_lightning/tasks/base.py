@@ -219,8 +219,11 @@ class RewardFunction(ABC):
     says whether the answer is right (used for accuracy logging); the default treats any positive
     reward as correct, so override it when shaping gives partial credit.
 
-    A reward that raises or returns a non-finite value drops its sample (counted in
-    ``dropped_reward_error``). A reward that may not return (a verifier that hangs on a
+    The reward may be any real number type: a Python ``int`` or ``float``, a NumPy scalar or a
+    one-element tensor, all read alike as a float. A reward that raises, or returns a ``bool``
+    (return ``1.0``/``0.0``, or override :meth:`is_correct`), a non-number, a non-finite value or
+    one beyond float32's range (about 3.4e38), drops its sample (counted in
+    ``dropped_reward_error``; ``rollout/collect.py``, ``reward_value``). A reward that may not return (a verifier that hangs on a
     pathological answer) needs the data module's ``reward_timeout``: both calls of one sample then
     run in a worker thread, one sample at a time, and are abandoned after that many seconds; an
     abandoned call keeps running (Python cannot stop a thread), so a reward that can hang should

@@ -9,7 +9,8 @@ The policy calls the calculator with ``<calc>EXPRESSION</calc>``; the environmen
 
 Every character is in the character tokenizer's vocabulary, so the tiny CPU models can use it.
 Expressions are evaluated exactly (:class:`fractions.Fraction`) by walking a whitelisted Python AST:
-numbers, ``+ - * /``, parentheses and unary signs; nothing is ever passed to ``eval``. A bad call
+numbers (a decimal literal is read from its text, so ``0.1`` is exactly 1/10 and a literal with more
+digits than a float holds keeps them all), ``+ - * /``, parentheses and unary signs; nothing is ever passed to ``eval``. A bad call
 (syntax, a name, ``**``, division by zero, more than :data:`MAX_EXPRESSION_CHARS` characters, a
 value with more than :data:`MAX_DIGITS` digits) gets an error observation, not an exception, and
 the work per call is bounded by those two limits.
@@ -58,23 +59,37 @@ def _bounded(value: Fraction) -> Fraction:
     return value
 
 
-def _evaluate(node: ast.AST) -> Fraction:
+def _literal(text: str) -> Fraction:
+    """The exact value of a decimal literal as written (``0.1`` is 1/10, ``1e400`` is 10**400):
+    Python's parser would round it to a float first."""
+    try:
+        value = Decimal(text)
+    except ArithmeticError:
+        raise CalculatorError(f"unsupported constant {text!r}") from None
+    if (
+        not value.is_finite()
+        or abs(int(value.as_tuple().exponent)) > MAX_DIGITS + MAX_EXPRESSION_CHARS
+    ):
+        raise CalculatorError("number out of range")  # checked before 10**exponent is built
+    return _bounded(Fraction(value))
+
+
+def _evaluate(node: ast.AST, source: str) -> Fraction:
     if isinstance(node, ast.Expression):
-        return _evaluate(node.body)
+        return _evaluate(node.body, source)
     if isinstance(node, ast.Constant):
         if isinstance(node.value, bool) or not isinstance(node.value, int | float):
             raise CalculatorError(f"unsupported constant {node.value!r}")
-        if isinstance(node.value, float) and not math.isfinite(node.value):
-            raise CalculatorError("number out of range")
-        value = node.value
-        return _bounded(Fraction(repr(value)) if isinstance(value, float) else Fraction(value))
+        if isinstance(node.value, float):
+            return _literal(ast.get_source_segment(source, node) or repr(node.value))
+        return _bounded(Fraction(node.value))
     if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _evaluate(node.left), _evaluate(node.right)
+        left, right = _evaluate(node.left, source), _evaluate(node.right, source)
         if isinstance(node.op, ast.Div) and right == 0:
             raise CalculatorError("division by zero")
         return _bounded(_BINARY[type(node.op)](left, right))
     if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_evaluate(node.operand))
+        return _UNARY[type(node.op)](_evaluate(node.operand, source))
     if isinstance(node, ast.BinOp | ast.UnaryOp):
         raise CalculatorError(f"unsupported operator {type(node.op).__name__}")
     raise CalculatorError(f"unsupported {type(node).__name__}")
@@ -105,11 +120,12 @@ def safe_eval(expression: str) -> Fraction:
     """
     if len(expression) > MAX_EXPRESSION_CHARS:
         raise CalculatorError(f"expression longer than {MAX_EXPRESSION_CHARS} characters")
+    source = expression.strip()
     try:
-        tree = ast.parse(expression.strip(), mode="eval")
+        tree = ast.parse(source, mode="eval")
     except (SyntaxError, ValueError, MemoryError, RecursionError):
         raise CalculatorError("invalid expression") from None
-    return _evaluate(tree)
+    return _evaluate(tree, source)
 
 
 class CalculatorEnv(ToolEnvironment):

@@ -12,11 +12,19 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
     (callers check the values' shape and name ``where`` in their errors).
 
     Raises:
-        ValueError: for a line that is not valid JSON (the message names the file and the line).
+        ValueError: for a line that is not UTF-8 or not valid JSON (the message names the file and
+            the line).
     """
     values = []
-    with path.open(encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+    with path.open("rb") as lines:  # bytes: a line that is not UTF-8 is named by its number
+        for number, raw in enumerate(lines, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise ValueError(
+                    f"{path}:{number}: byte {error.start + 1} of the line is not UTF-8 "
+                    f"({raw[error.start : error.start + 1]!r}); expected a UTF-8 text file."
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -30,4 +38,4 @@ def read_jsonl(path: Path) -> list[tuple[str, Any]]:
 
 def shown(value: Any) -> str:
     """``value`` as JSON, cut to 80 characters, for an error message."""
-    return repr(json.dumps(value)[:80])
+    return repr(json.dumps(value, default=repr)[:80])

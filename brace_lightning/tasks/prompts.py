@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from brace_lightning.tasks.base import Prompt, PromptList
-from brace_lightning.tasks.jsonl import read_jsonl
+from brace_lightning.tasks.jsonl import read_jsonl, shown
 
 
 def record_to_prompt(
@@ -39,7 +39,11 @@ def record_to_prompt(
     chat_template: bool | None,
     where: str,
 ) -> Prompt:
-    """One record as a :class:`Prompt`; ``where`` (file:line or dataset[index]) names it in errors."""
+    """One record as a :class:`Prompt`; ``where`` (file:line or dataset[index]) names it in errors.
+
+    The prompt field must hold a string and the answer field a string or a number (kept as its
+    text): a null, list or object is refused rather than turned into text such as ``"None"``.
+    """
     if not isinstance(record, Mapping):
         raise ValueError(f"{where}: got {type(record).__name__}; expected a JSON object.")
     for name, field in (("prompt_field", prompt_field), ("answer_field", answer_field)):
@@ -48,6 +52,18 @@ def record_to_prompt(
                 f"{where}: {name}={field!r} is not a field of the record (fields: "
                 f"{sorted(record)}); expected one of them."
             )
+    if not isinstance(record[prompt_field], str):
+        raise ValueError(
+            f"{where}: prompt_field={prompt_field!r} holds {shown(record[prompt_field])}; expected "
+            "a string."
+        )
+    if answer_field is not None and (
+        record[answer_field] is None or isinstance(record[answer_field], dict | list)
+    ):
+        raise ValueError(
+            f"{where}: answer_field={answer_field!r} holds {shown(record[answer_field])}; expected "
+            "a string or a number (or answer_field=None for prompts without a reference)."
+        )
     text = template.format(prompt=record[prompt_field])
     metadata: dict[str, Any] = {k: v for k, v in record.items() if k not in (prompt_field,)}
     metadata["source"] = where
