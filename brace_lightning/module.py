@@ -38,7 +38,7 @@ from brace_lightning.hparams import (
     log_final_hparams,
     save_component_configs,
 )
-from brace_lightning.metrics import HorizonBeta, ValueBiasGap
+from brace_lightning.metrics import HorizonBeta, critic_scores
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.models.build import build_actor_critic, shard_actor_critic
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
@@ -203,7 +203,7 @@ class BraceModule(pl.LightningModule):
         # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
         self.horizon_beta = HorizonBeta()
         # ĝ_π against Monte-Carlo returns of fresh on-policy rollouts (the validation batches).
-        self.val_value_gap = ValueBiasGap()
+        self.val_critic = critic_scores(prefix="val/")
         self.policy_version = 0
         self.rollout_step = 0
         self._shuffle = torch.Generator().manual_seed(seed)
@@ -418,19 +418,19 @@ class BraceModule(pl.LightningModule):
                 scheduler.step()
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)
-        and the critic's value-bias gap to their realized returns (``val/value_gap_mc``)."""
+        """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``) and
+        the critic against their returns (``val/value_mse_mc`` …: metrics.critic_scores)."""
         batch = batch.to(self.device)
         values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
         realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
-        self.val_value_gap.update(values, realized, batch.mask)
+        self.val_critic.update(values, realized, batch.mask)
         log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
         self.log("step", float(self.rollout_step), reduce_fx="max", **log)
         self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
         self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
         if batch.correct is not None:
             self.log("val/accuracy", batch.correct.float().mean(), **log)
-        self.log("val/value_gap_mc", self.val_value_gap, **log)
+        self.log_dict(self.val_critic, **log)
 
     # ------------------------------------------------------------------ helpers
 

@@ -245,7 +245,7 @@ def run_validate(line: str, workdir: Path) -> None:
     for path in _option(_words(line), "--ckpt_path"):
         _ensure_checkpoint(path, workdir)
     out = run(line, workdir, *_size_args(line)).stdout
-    for metric in ("val/reward", "val/accuracy", "val/value_gap_mc"):
+    for metric in ("val/reward", "val/accuracy", "val/value_mse_mc", "val/value_abs_error_mc"):
         assert metric in out, out
 
 

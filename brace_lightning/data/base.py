@@ -236,7 +236,7 @@ class _ValidationRollouts(IterableDataset):
 
     Every validation pass draws the same prompts (a generator seeded with ``seed``) and builds a
     fresh engine from the hand-off, so the rows are on-policy: their realized returns are unbiased
-    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_gap_mc``.
+    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_mse_mc``.
     """
 
     def __init__(self, datamodule: RolloutDataModuleBase, num_batches: int, seed: int) -> None:

@@ -126,7 +126,7 @@ def test_grid_runs_resumes_and_tabulates(tmp_path: Path, capsys: pytest.CaptureF
         assert f"--data.init_args.lag={cell.lag}" in marker["args"]
         series = lm_staleness.read_cell(cell.folder(out))
         assert [step for step, _ in series["rollout/reward"]] == [1, 2]
-        assert len(series["val/value_gap_mc"]) == 2  # validated after each 1-step epoch
+        assert len(series["val/value_mse_mc"]) == 2  # validated after each 1-step epoch
     summary = (out / "summary.md").read_text()
     for name, _, _, _ in lm_staleness.METRICS:
         section = summary.split(f"**{name}**")[1].split("**")[0].strip().splitlines()
