@@ -30,7 +30,7 @@ def test_summarize_known_interval() -> None:
     assert brace["high"] == pytest.approx(0.4 + 0.24843, abs=1e-4)
     assert brace["diff"] == pytest.approx(0.2)
     assert brace["diff_low"] == pytest.approx(0.2 - 0.24843, abs=1e-4)
-    assert brace["verdict"] == "tie"  # the interval covers 0
+    assert brace["verdict"] == "inconclusive (±0.248)"  # covers 0; no margin stated: not a tie
     assert rows[(8, "brace")]["verdict"] == "better"  # paired with GAE at the same lag only
     assert "diff" not in rows[(0, "gae")]
     # Lower is better (the value gap): the same difference is then worse.
