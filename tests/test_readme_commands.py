@@ -417,6 +417,7 @@ def check_sim_results_script(line: str, workdir: Path) -> None:
         assert sweep.cells(spec), grid
         sweep.metrics(spec)
         sweep.window(spec)
+        sweep.check_primary(spec)
         assert (REPO / "docs" / "figures" / grid / "summary.md").is_file(), grid
 
 
