@@ -21,8 +21,10 @@ executor's parameters from ``--job KEY=VALUE`` (e.g. ``slurm_partition=cpu timeo
 cpus_per_task=1``); its logs go to ``OUT/submitit/``. The cells and markers are the same either way.
 
 Aggregation, per (S, target) over seeds: the first-, final- and worst-window means of
-``rollout/reward`` (higher is better), the last ``val/reward`` and the last ``val/value_gap_mc``
-(lower is better; the critic's mean |V − G| on fresh on-policy rollouts), the final response length
+``rollout/reward`` (higher is better), the last ``val/reward``, the last ``val/value_mse_mc`` (lower
+is better; the critic's mean (V − G)² on fresh on-policy rollouts, a proper score) and the last
+``val/value_abs_error_mc`` (mean |V − G|, not a proper score against 0/1 returns: runs logged
+before 2026-12-06 have only this one, as ``val/value_gap_mc``), the final response length
 and the run's mean KL(π‖µ) per token (how far the policy moved from the stale behaviour), each with
 its
 mean and 95% Student-t interval (``brace_lightning.sweep.interval``), and its difference to GAE at
@@ -81,9 +83,11 @@ DEFAULT_TARGETS = ["gae", "vtrace", "brace", "brace_notail"]
 METRICS = (
     ("reward, first window", "rollout/reward", "first", True),
     ("reward, final window", "rollout/reward", "final", True),
-    ("reward, worst window", "rollout/reward", "worst", True),
+    # Post hoc: added after the lag-4 runs of results_lm.md had been seen (issue 31).
+    ("reward, worst window (post hoc)", "rollout/reward", "worst", True),
     ("val/reward, last", "val/reward", "last", True),
-    ("val/value_gap_mc, last", "val/value_gap_mc", "last", False),
+    ("val/value_mse_mc, last", "val/value_mse_mc", "last", False),
+    ("val/value_abs_error_mc, last", "val/value_abs_error_mc", "last", False),
     ("response length, final window", "rollout/response_length", "final", None),
     ("KL(π‖µ) per token, run mean", "kl/pi_mu", "mean", None),
 )
@@ -396,7 +400,7 @@ def plot(
     smooth: int,
 ) -> None:
     """PNG, one column per lag, one line per target: reward and response length (moving mean over
-    ``smooth`` steps) and ``val/value_gap_mc`` vs rollout step; mean over seeds, 95% interval
+    ``smooth`` steps) and ``val/value_mse_mc`` vs rollout step; mean over seeds, 95% interval
     shaded (clipped to the range of the seeds' values)."""
     import matplotlib
 
@@ -405,7 +409,7 @@ def plot(
 
     rows = (
         ("rollout/reward", smooth, f"rollout/reward ({smooth}-step moving mean)"),
-        ("val/value_gap_mc", 1, "val/value_gap_mc (on-policy |V − G|)"),
+        ("val/value_mse_mc", 1, "val/value_mse_mc (on-policy (V − G)²)"),
         ("rollout/response_length", smooth, f"response length ({smooth}-step moving mean)"),
     )
     lags = sorted({lag for lag, _ in curves})

@@ -12,7 +12,10 @@ known exactly:
 3. update the actor with one of the project's actor objectives (:mod:`brace_lightning.objectives`)
    on the whitened advantages — tabular logits over the statistic (t, c), whose drift stays on the
    visited states, or a small MLP over the state features, whose every step also moves the
-   unvisited states (as an LM's shared weights do);
+   unvisited states (as an LM's shared weights do). As in the trainer, two options leave the actor
+   still: during the first ``critic_warmup_versions`` versions (the critic warm-up), and, with
+   ``skip_equal_reward_batches``, on a batch whose rewards are all equal (whitening would turn the
+   critic's noise into a full actor step; :mod:`brace_lightning.equal_rewards`);
 4. optionally add engine/trainer drift to the *behavior* copy that enters the queue: Gaussian
    noise on every logit, or sparse heavy-tailed jumps (a few entries, Student-t sized) scaled
    to the same per-token KL.
@@ -21,7 +24,10 @@ Logged per version (:class:`VersionLog`): exact V^π(s₀), the critic's gap to 
 occupancy (ĝ_π) and to V^µ on µ's occupancy (ĝ_µ), the label bias b̂ = mean(label − V^π) and its
 variance over sampled actions, β by remaining horizon (:class:`~brace_lightning.metrics.HorizonBeta`:
 the slope of the label on the realized return), the truncated log-product log Π_t min(c̄, w_t) per
-response, and the actor objective's mask fractions.
+response at ``c_bar`` (the BRACE default 1.1) and over windows of ``PRODUCT_WINDOW`` = 100 tokens
+(Π_k at BRACE's k = 100), the realized per-token |log w| = |log π − log µ| (mean and quantiles, to
+place a real run's mismatch on the drift axis), whether the actor stepped, and the actor
+objective's mask fractions.
 
 Cost: every policy's ``[T, C, A]`` log-softmax is computed once per version and shared by the
 sampler, the exact dynamic programs and the KL; the drift's scale is solved on the states π visits
@@ -57,13 +63,22 @@ from brace_lightning.sim.mdp import (
 )
 from brace_lightning.sim.policies import per_token_kl_of_log_probs
 
-__all__ = ["ClosedLoopConfig", "VersionLog", "run_closed_loop"]
+__all__ = [
+    "PRODUCT_WINDOW",
+    "ClosedLoopConfig",
+    "VersionLog",
+    "log_weight_statistics",
+    "run_closed_loop",
+]
 
 Drift = Literal["none", "gaussian", "sparse"]
 ModelKind = Literal["tabular", "mlp"]
 
 # States whose occupancy under π is below this carry no weight in the drift's KL (float64 round-off).
 _SUPPORT = 1e-14
+
+#: Tokens per window of the logged Π_k (BRACE's default cap k = 100).
+PRODUCT_WINDOW = 100
 
 
 @dataclass(frozen=True)
@@ -87,7 +102,12 @@ class ClosedLoopConfig:
         critic_hidden: hidden width of the MLP critic.
         drift: ``"none"``, ``"gaussian"`` or ``"sparse"`` extra drift of µ from π.
         drift_kl: per-token KL(µ ‖ π) of the extra drift (both models are scaled to it).
-        c_bar: c̄ used for the truncated log-product statistic.
+        critic_warmup_versions: versions at the start in which only the critic trains (the
+            trainer's ``critic_warmup_steps``); the actor stays at π_0.
+        skip_equal_reward_batches: no actor step on a batch whose rewards are all equal (the
+            trainer's batch rule, ``BraceModule(skip_equal_reward_batches=True)``).
+        c_bar: c̄ of the logged truncated log-products (statistics only; the default is BRACE's
+            1.1 — before 2026-12-06 it was 1.0, the value behind results.md's "−23 to −30").
         seed: fixes sampling, drift and the MLPs' initialization.
     """
 
@@ -106,7 +126,9 @@ class ClosedLoopConfig:
     critic_hidden: int = 32
     drift: Drift = "none"
     drift_kl: float = 0.0
-    c_bar: float = 1.0
+    critic_warmup_versions: int = 0
+    skip_equal_reward_batches: bool = False
+    c_bar: float = 1.1
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -120,6 +142,12 @@ class ClosedLoopConfig:
             ("critic_lr", self.critic_lr > 0.0, "> 0"),
             ("critic_hidden", self.critic_hidden >= 1, ">= 1"),
             ("drift_kl", self.drift_kl >= 0.0, ">= 0"),
+            ("critic_warmup_versions", self.critic_warmup_versions >= 0, ">= 0"),
+            (
+                "skip_equal_reward_batches",
+                isinstance(self.skip_equal_reward_batches, bool),
+                "a bool",
+            ),
             ("c_bar", self.c_bar > 0.0, "> 0"),
             ("actor", self.actor in ("tabular", "mlp"), "'tabular' or 'mlp'"),
             ("critic", self.critic in ("tabular", "mlp"), "'tabular' or 'mlp'"),
@@ -139,7 +167,11 @@ class VersionLog:
     """Per-version measurements (lists indexed by version).
 
     ``beta[v]`` holds β per remaining-horizon bin whose left edges are ``beta_edges`` (1, 2, 4, …),
-    None where a bin is undefined (no spread in the return).
+    None where a bin is undefined (no spread in the return). ``log_product_*`` are log Π min(c̄, w)
+    at the config's ``c_bar``: over a whole response (mean and min over the batch) and over every
+    window of ``PRODUCT_WINDOW`` tokens (mean; the whole response when T is shorter).
+    ``abs_log_w_*`` are the per-token |log π − log µ| statistics of :func:`log_weight_statistics`.
+    ``actor_stepped`` is 1.0 where the actor took its step, 0.0 where it stood still.
     """
 
     value_pi: list[float] = field(default_factory=list)
@@ -151,6 +183,13 @@ class VersionLog:
     beta_edges: list[int] = field(default_factory=list)
     log_product_mean: list[float] = field(default_factory=list)
     log_product_min: list[float] = field(default_factory=list)
+    log_product_window_mean: list[float] = field(default_factory=list)
+    abs_log_w_mean: list[float] = field(default_factory=list)
+    abs_log_w_p50: list[float] = field(default_factory=list)
+    abs_log_w_p90: list[float] = field(default_factory=list)
+    abs_log_w_p99: list[float] = field(default_factory=list)
+    abs_log_w_max: list[float] = field(default_factory=list)
+    actor_stepped: list[float] = field(default_factory=list)
     kl: list[float] = field(default_factory=list)
     reward: list[float] = field(default_factory=list)
     shadow_gap_pi: dict[str, list[float]] = field(default_factory=dict)
@@ -217,6 +256,41 @@ def _drift(
             guess if low < guess < high else (0.5 * (low + high) if high < math.inf else 2 * low)
         )
     return logits + scale * direction
+
+
+def log_weight_statistics(
+    log_w: torch.Tensor, mask: torch.Tensor, *, c_bar: float, window: int = PRODUCT_WINDOW
+) -> dict[str, float]:
+    """The realized importance-weight statistics of a batch, to place a run on the drift axis.
+
+    Args:
+        log_w: ``[B, T]`` per-token log π − log µ of the sampled actions.
+        mask: ``[B, T]`` bool, True at actions.
+        c_bar: the truncation level c̄ of the products.
+        window: k, tokens per window of the windowed product Π_k.
+
+    Returns:
+        ``abs_mean``, ``abs_p50``, ``abs_p90``, ``abs_p99`` and ``abs_max`` of |log w| over actions;
+        ``product_mean`` and ``product_min`` of the whole response's Σ_t min(log c̄, log w_t) over
+        rows; ``window_mean``, the mean over every window of ``window`` consecutive tokens of that
+        sum (positions outside ``mask`` count 0; the whole row when T < ``window``).
+    """
+    clipped = torch.where(mask, log_w.clamp(max=math.log(c_bar)), 0.0)
+    magnitude = log_w[mask].abs().double()
+    quantiles = torch.quantile(magnitude, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
+    product = clipped.sum(dim=-1)
+    width = min(window, clipped.shape[-1])
+    windows = clipped.unfold(-1, width, 1).sum(dim=-1)  # [B, T - width + 1]
+    return {
+        "abs_mean": float(magnitude.mean()),
+        "abs_p50": float(quantiles[0]),
+        "abs_p90": float(quantiles[1]),
+        "abs_p99": float(quantiles[2]),
+        "abs_max": float(magnitude.max()),
+        "product_mean": float(product.mean()),
+        "product_min": float(product.min()),
+        "window_mean": float(windows.mean()),
+    }
 
 
 class _MLP(torch.nn.Module):
@@ -387,9 +461,8 @@ def run_closed_loop(
     positions = torch.arange(mdp.horizon)
     edges = power_of_two_edges(mdp.horizon, start=1)
     log = VersionLog(beta_edges=list(edges), shadow_gap_pi={name: [] for name in shadows})
-    log_c_bar = math.log(config.c_bar)
 
-    for _ in range(config.versions):
+    for version in range(config.versions):
         pi = actor.table()
         target_policy = _Policy.of(mdp, torch.log_softmax(pi, dim=-1))
         behavior = _drift(
@@ -450,9 +523,15 @@ def run_closed_loop(
             advantages=whitened,
             mask=mask,
         )
+        rewards = batch.rewards[:, -1]
+        still = version < config.critic_warmup_versions or (
+            config.skip_equal_reward_batches and bool((rewards == rewards[0]).all())
+        )
         actor.optimizer.zero_grad()
         (output.token_loss.sum() / mask.sum()).backward()
-        actor.optimizer.step()
+        if not still:
+            actor.optimizer.step()
+        log.actor_stepped.append(0.0 if still else 1.0)
         actions = float(mask.sum())
         for key, value in output.stats.items():
             scale = actions if key.endswith(("_count", "_sum")) else 1.0
@@ -465,10 +544,14 @@ def run_closed_loop(
         log.gap_mu.append(
             _weighted_gap(estimate, behavior_policy.values, behavior_policy.occupancy)
         )
-        log_w = (batch.target_logprobs - batch.behavior_logprobs).clamp(max=log_c_bar)
-        log_product = log_w.sum(dim=-1)
-        log.log_product_mean.append(float(log_product.mean()))
-        log.log_product_min.append(float(log_product.min()))
+        weights = log_weight_statistics(
+            batch.target_logprobs - batch.behavior_logprobs, mask, c_bar=config.c_bar
+        )
+        log.log_product_mean.append(weights.pop("product_mean"))
+        log.log_product_min.append(weights.pop("product_min"))
+        log.log_product_window_mean.append(weights.pop("window_mean"))
+        for key, value in weights.items():  # abs_mean -> abs_log_w_mean, ...
+            getattr(log, key.replace("abs_", "abs_log_w_")).append(value)
         kl = per_token_kl_of_log_probs(
             behavior_policy.log_probs, target_policy.log_probs, behavior_policy.occupancy
         )

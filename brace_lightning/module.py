@@ -26,6 +26,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torchmetrics import MetricCollection
 
 from brace_lightning import step_metrics
 from brace_lightning.console import quiet_lightning
@@ -40,7 +41,7 @@ from brace_lightning.hparams import (
     log_final_hparams,
     save_component_configs,
 )
-from brace_lightning.metrics import HorizonBeta, ValueBiasGap
+from brace_lightning.metrics import HorizonBeta, critic_scores
 from brace_lightning.models.build import build_actor_critic, shard_actor_critic
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
@@ -203,10 +204,9 @@ class BraceModule(pl.LightningModule):
         self.reference = ReferencePolicy(self.actor) if self.kl_coef > 0 else None
         # β needs no ground truth, so every run logs it (paper Fig. 2b); reset every rollout step.
         self.horizon_beta = HorizonBeta()
-        # ĝ_π against Monte-Carlo returns of fresh on-policy rollouts (the validation batches).
-        self.val_value_gap, self.test_value_gap = ValueBiasGap(), ValueBiasGap()
-        self.policy_version = 0
-        self.rollout_step = 0
+        self.val_critic = critic_scores(prefix="val/")
+        self.test_critic = critic_scores(prefix="test/")
+        self.policy_version, self.rollout_step = 0, 0
         self._shuffle = torch.Generator().manual_seed(seed)
 
     @property
@@ -419,16 +419,16 @@ class BraceModule(pl.LightningModule):
         step_schedulers(self, actor_stepped=train_actor)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
-        """Log on-policy rollouts of held-out prompts: reward, mean@n, pass@k (``evaluation.py``)."""
-        self._evaluate(batch.to(self.device), self.val_value_gap, "val")
+        """Log on-policy rollouts of held-out prompts: reward, mean@n, pass@k, the critic's scores."""
+        self._evaluate(batch.to(self.device), self.val_critic, "val")
 
     def test_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """As :meth:`validation_step`, logged under ``test/``."""
-        self._evaluate(batch.to(self.device), self.test_value_gap, "test")
+        self._evaluate(batch.to(self.device), self.test_critic, "test")
 
-    def _evaluate(self, batch: RolloutBatch, gap: ValueBiasGap, prefix: str) -> None:
+    def _evaluate(self, batch: RolloutBatch, critic: MetricCollection, prefix: str) -> None:
         values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
-        log_evaluation_batch(self, batch, values, gap, prefix)
+        log_evaluation_batch(self, batch, values, critic, prefix)
 
     # ------------------------------------------------------------------ helpers
 

@@ -17,18 +17,40 @@ Run with ``python -m brace_lightning.sweep GRID.yaml OUT_DIR --workers N``. The 
     metric: gap_pi                              # VersionLog field(s) summarized per cell
     window: 0.25                                # score = mean over this last fraction of versions
     higher_is_better: [value_pi]                # metrics whose verdict favours larger values
-    signed: [label_bias]                        # metrics with no better side: "differs" or "tie"
+    signed: [label_bias]                        # metrics with no better side: "differs"
     shadows: [gae, brace]                       # optional: extra critics on the same data (below)
     drivers: [gae]                              # optional: the targets that get cells (default all)
     reference: gae                              # target every other target is paired against
+    margins: {gap_pi: 0.01}                     # optional: equivalence margin per metric
+    post_hoc: [label_bias]                      # optional: metrics chosen after results were seen
+    survival: {metric: value_pi, threshold: 0.05}  # optional: survive/collapse, exact tests
+    primary:                                    # optional: the pre-registered primary outcome
+      date: 2026-12-06                          # the day it was declared, before the runs
+      question: does BRACE train the actor faster than GAE?
+      metric: value_pi
+      comparisons: [brace]                      # targets compared with the primary reference
+      reference: gae
+      margin: 0.02                              # equivalence margin: "tie" only inside ±margin
 
 ``metric`` is one :class:`~brace_lightning.sim.VersionLog` field or a list of them (the first is
 printed). Each cell writes ``OUT_DIR/<cell>/log.json`` (the whole log and its wall time); cells
 whose file exists are skipped, so an interrupted sweep resumes. A cell's score is the mean of a
 metric over the last ``window`` fraction of its versions (1.0: the whole run, an area under the
 curve). :func:`aggregate` reports, per setting, the mean and 95% Student-t interval over seeds and
-the paired difference against the reference target at the same setting and seed; a difference
-whose interval covers 0 is a tie. Per metric, ``summary_<metric>.png`` shows the scores and
+the paired difference against the reference target at the same setting and seed; a difference is
+called a tie only when its interval lies inside the metric's stated margin (``margins``, or the
+primary's ``margin``), otherwise, when the interval covers 0, ``inconclusive (±half-width)``.
+These per-metric tables are secondary: their intervals are not adjusted for multiplicity, and a
+metric listed in ``post_hoc`` is marked as chosen after the results were seen.
+
+``primary`` declares the grid's one primary outcome with its date: every pair (comparison target,
+setting) against the primary reference is one member of the family; :func:`primary_table` gives
+each its paired t-test, Holm's adjusted p-value over the family and the interval at its Holm step's
+level (:mod:`brace_lightning.statistics`), and calls it better/worse only when the Holm-adjusted p
+is below 0.05. ``survival`` counts, per setting, the seeds whose last value of ``metric`` is at
+least ``threshold`` and compares them with the reference target's by an exact test
+(:func:`survival_table`: McNemar's paired by seed, Fisher's when the seeds do not pair), Holm over
+the table. Per metric, ``summary_<metric>.png`` shows the scores and
 ``curves_<metric>.png`` the per-version means with their intervals (one panel per setting, one
 line per target); ``beta.png`` shows β by remaining horizon averaged over the window.
 
@@ -52,6 +74,15 @@ from typing import Any
 
 import yaml
 
+from brace_lightning.statistics import (
+    fisher_exact,
+    holm,
+    holm_levels,
+    mcnemar_exact,
+    paired_t_test,
+    verdict,
+)
+
 __all__ = [
     "Cell",
     "aggregate",
@@ -64,10 +95,12 @@ __all__ = [
     "paired_difference",
     "plot_beta",
     "plot_curves",
+    "primary_table",
     "run_cell",
     "run_grid",
     "score",
     "summarize",
+    "survival_table",
     "table_header",
     "table_row",
     "window",
@@ -94,26 +127,28 @@ def interval(samples: Sequence[float]) -> tuple[float, float, float]:
 
 
 def paired_difference(
-    by_seed: dict[int, float], reference: dict[int, float], *, higher_is_better: bool | None
+    by_seed: dict[int, float],
+    reference: dict[int, float],
+    *,
+    higher_is_better: bool | None,
+    margin: float | None = None,
 ) -> tuple[float, float, float, str]:
     """Mean and 95% interval of ``by_seed[s] - reference[s]`` over the seeds both hold, and its
-    verdict: ``tie`` when the interval covers 0, else ``better``/``worse`` in the direction
-    ``higher_is_better`` gives, or ``higher``/``lower`` when it is None (a metric with no better
-    side). Pairing seed by seed removes what the seed shares across targets (its prompts, its
-    sampling noise) from the comparison.
+    verdict: ``better``/``worse`` in the direction ``higher_is_better`` gives (``higher``/``lower``
+    when it is None, a metric with no better side) when the interval excludes 0; ``tie (±margin)``
+    when it lies inside ±``margin``; else ``inconclusive (±half-width)``. Pairing seed by seed
+    removes what the seed shares across targets (its prompts, its sampling noise).
 
     Raises:
         ValueError: when fewer than 2 seeds are shared (no interval).
     """
     seeds = sorted(set(by_seed) & set(reference))
     d, low, high = interval([by_seed[s] - reference[s] for s in seeds])
-    if low <= 0.0 <= high:
-        verdict = "tie"
-    elif higher_is_better is None:
-        verdict = "higher" if d > 0 else "lower"
-    else:
-        verdict = "better" if (d > 0) == higher_is_better else "worse"
-    return d, low, high, verdict
+    significant = not low <= 0.0 <= high
+    word = verdict(
+        low, high, significant=significant, higher_is_better=higher_is_better, margin=margin, mean=d
+    )
+    return d, low, high, word
 
 
 def write_marker(path: Path, payload: dict[str, Any]) -> None:
@@ -246,6 +281,7 @@ def aggregate(
     *,
     target_of: dict[str, str] | None = None,
     higher_is_better: bool | None = False,
+    margin: float | None = None,
 ) -> list[dict[str, Any]]:
     """Mean ± 95% interval per setting, and the paired difference to the reference at each setting.
 
@@ -256,11 +292,11 @@ def aggregate(
         target_of: setting → target name (parsed from ``target=...`` in the name if None).
         higher_is_better: the verdict's direction (False: lower is better, as for ĝ_π; None:
             no direction, as for a signed bias, and a difference is called ``differs``).
+        margin: the equivalence margin of a ``tie`` (None: no difference is called a tie).
 
     Returns:
         One row per setting: ``setting, mean, low, high, diff, diff_low, diff_high, verdict``
-        (verdict ``better``/``worse`` in the metric's direction, or ``tie`` when the interval covers 0;
-        the diff fields are None for the reference itself).
+        (verdict of :func:`paired_difference`; the diff fields are None for the reference itself).
     """
     rows = []
     for setting, by_seed in sorted(scores.items()):
@@ -270,12 +306,12 @@ def aggregate(
         row.update(diff=None, diff_low=None, diff_high=None, verdict=None)
         partner = setting.replace(f"target={target}", f"target={reference}", 1)
         if target != reference and partner in scores:
-            d, d_low, d_high, verdict = paired_difference(
-                by_seed, scores[partner], higher_is_better=higher_is_better
+            d, d_low, d_high, word = paired_difference(
+                by_seed, scores[partner], higher_is_better=higher_is_better, margin=margin
             )
-            if verdict in ("higher", "lower"):
-                verdict = "differs"  # the sweep's word for a signed metric's difference
-            row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=verdict)
+            if word in ("higher", "lower"):
+                word = "differs"  # the sweep's word for a signed metric's difference
+            row.update(diff=d, diff_low=d_low, diff_high=d_high, verdict=word)
         rows.append(row)
     return rows
 
@@ -324,6 +360,127 @@ def _scores(spec: dict[str, Any], logs: Logs, metric: str) -> dict[str, dict[int
         by_seed = scores.setdefault(_setting(cell["name"]), {})
         by_seed[int(cell.get("seed", 0))] = score(log, metric, window(spec))
     return scores
+
+
+def _partner(setting: str, target: str, reference: str) -> str:
+    return setting.replace(f"target={target}", f"target={reference}", 1)
+
+
+def _target(setting: str) -> str:
+    return setting.split("target=")[1].split(",")[0]
+
+
+def check_primary(spec: dict[str, Any]) -> dict[str, Any] | None:
+    """The grid's ``primary`` block, checked (None when it has none)."""
+    primary = spec.get("primary")
+    if primary is None:
+        return None
+    keys = {"date", "question", "metric", "comparisons", "reference", "margin"}
+    if not isinstance(primary, dict) or set(primary) != keys:
+        raise ValueError(
+            f"primary must be a mapping with the keys {sorted(keys)}; got {primary!r}."
+        )
+    for name in [*primary["comparisons"], primary["reference"]]:
+        if name not in spec["targets"]:
+            raise ValueError(
+                f"primary names the target {name!r}, which is not in targets {sorted(spec['targets'])}."
+            )
+    if not isinstance(primary["margin"], int | float) or primary["margin"] <= 0:
+        raise ValueError(f"primary margin must be a number > 0; got {primary['margin']!r}.")
+    return primary
+
+
+def primary_table(
+    scores: dict[str, dict[int, float]], primary: dict[str, Any], *, higher_is_better: bool | None
+) -> str:
+    """The primary outcome's family: one row per (comparison target, setting) paired with the
+    primary reference, its paired t-test, Holm-adjusted p over the family and the interval at its
+    Holm step's level; better/worse only when the Holm-adjusted p is below 0.05, a tie only when
+    that interval lies inside ±margin, otherwise inconclusive."""
+    family = []
+    for setting, by_seed in sorted(scores.items()):
+        target = _target(setting)
+        partner = _partner(setting, target, primary["reference"])
+        if target in primary["comparisons"] and partner in scores:
+            seeds = sorted(set(by_seed) & set(scores[partner]))
+            diffs = [by_seed[s] - scores[partner][s] for s in seeds]
+            family.append((setting, diffs, paired_t_test(diffs)[3]))
+    p_values = [p for _, _, p in family]
+    rows = []
+    for (setting, diffs, p), adjusted, level in zip(
+        family, holm(p_values), holm_levels(p_values), strict=True
+    ):
+        mean, low, high, _ = paired_t_test(diffs, alpha=level)
+        word = verdict(
+            low,
+            high,
+            significant=adjusted < 0.05,
+            higher_is_better=higher_is_better,
+            margin=float(primary["margin"]),
+            mean=mean,
+        )
+        ci = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] ({100 * (1 - level):.2f}%)"
+        rows.append([setting, len(diffs), ci, f"{p:.3g}", f"{adjusted:.3g}", word])
+    head = (
+        f"### Primary outcome (pre-registered {primary['date']}): {primary['metric']}\n\n"
+        f"{primary['question']} Family: {len(rows)} comparisons against "
+        f"`{primary['reference']}`, Holm-adjusted; equivalence margin ±{primary['margin']:g}.\n\n"
+    )
+    header = ["setting", "seeds", "diff [Holm-level CI]", "p", "Holm p", "verdict"]
+    return head + markdown_table(header, rows) + "\n"
+
+
+def _survived(log: dict[str, Any], survival: dict[str, Any]) -> bool:
+    return log[survival["metric"]][-1] >= survival["threshold"]
+
+
+def survival_table(spec: dict[str, Any], logs: Logs) -> str:
+    """Survive/collapse counts per setting against the reference target by an exact test:
+    McNemar's (paired by seed) when both settings hold the same seeds, else Fisher's; then the
+    same pooled over settings per target; Holm over the per-setting rows."""
+    survival = spec["survival"]
+    reference = spec.get("reference", next(iter(spec["targets"])))
+    outcomes: dict[str, dict[int, bool]] = {}
+    for cell, log in logs:
+        outcomes.setdefault(_setting(cell["name"]), {})[int(cell.get("seed", 0))] = _survived(
+            log, survival
+        )
+    pooled: dict[str, list[tuple[bool, bool]]] = {}
+    family = []
+    for setting, by_seed in sorted(outcomes.items()):
+        target = _target(setting)
+        other = outcomes.get(_partner(setting, target, reference))
+        if target == reference or other is None:
+            continue
+        if set(by_seed) == set(other):
+            pairs = [(by_seed[s], other[s]) for s in sorted(by_seed)]
+            pooled.setdefault(target, []).extend(pairs)
+            only_first = sum(a and not b for a, b in pairs)
+            only_second = sum(b and not a for a, b in pairs)
+            test, p = "McNemar (paired)", mcnemar_exact(only_first, only_second)
+        else:
+            a, c = sum(by_seed.values()), sum(other.values())
+            test, p = "Fisher", fisher_exact(a, len(by_seed) - a, c, len(other) - c)
+        counts = f"{sum(by_seed.values())}/{len(by_seed)} vs {sum(other.values())}/{len(other)}"
+        family.append([setting, counts, test, p])
+    rows = [
+        [*row[:3], f"{row[3]:.3g}", f"{adjusted:.3g}"]
+        for row, adjusted in zip(family, holm([row[3] for row in family]), strict=True)
+    ]
+    for target, pairs in sorted(pooled.items()):
+        only_first = sum(a and not b for a, b in pairs)
+        only_second = sum(b and not a for a, b in pairs)
+        first, second = sum(a for a, _ in pairs), sum(b for _, b in pairs)
+        counts = f"{first}/{len(pairs)} vs {second}/{len(pairs)}"
+        p = mcnemar_exact(only_first, only_second)
+        rows.append([f"target={target}, all settings", counts, "McNemar (paired)", f"{p:.3g}", ""])
+    head = (
+        f"### Survival: last {survival['metric']} ≥ {survival['threshold']:g}\n\n"
+        f"Survived runs against `{reference}`'s at the same setting; exact tests, Holm over the "
+        "per-setting rows (the pooled rows are unadjusted).\n\n"
+    )
+    header = ["setting", f"survived vs {reference}", "test", "p", "Holm p"]
+    return head + markdown_table(header, rows) + "\n"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
@@ -448,18 +605,47 @@ def plot_beta(logs: Logs, fraction: float, path: Path) -> None:
     plt.close(fig)
 
 
+def _direction(spec: dict[str, Any], metric: str) -> bool | None:
+    """True: higher is better; False: lower is better; None: signed (no better side)."""
+    if metric in spec.get("higher_is_better", []):
+        return True
+    return None if metric in spec.get("signed", []) else False
+
+
 def summarize(spec: dict[str, Any], out_dir: Path) -> str:
     """Write ``summary.md`` and the PNGs for every metric; return the markdown."""
     reference = spec.get("reference", next(iter(spec["targets"])))
     logs = _logs(spec, out_dir)  # read once for every metric and plot
+    primary = check_primary(spec)
+    margins = dict(spec.get("margins", {}))
     sections = []
+    if primary is not None:
+        margins.setdefault(primary["metric"], primary["margin"])
+        scores = _scores(spec, logs, primary["metric"])
+        higher = _direction(spec, primary["metric"])
+        sections.append(primary_table(scores, primary, higher_is_better=higher))
+    if spec.get("survival"):
+        sections.append(survival_table(spec, logs))
     for metric in metrics(spec):
-        higher: bool | None = metric in spec.get("higher_is_better", [])
-        if not higher and metric in spec.get("signed", []):
-            higher = None
-        rows = aggregate(_scores(spec, logs, metric), reference, higher_is_better=higher)
+        higher = _direction(spec, metric)
+        rows = aggregate(
+            _scores(spec, logs, metric),
+            reference,
+            higher_is_better=higher,
+            margin=margins.get(metric),
+        )
         direction = {True: "higher is better", False: "lower is better", None: "signed"}[higher]
-        sections.append(f"### {metric} ({direction})\n\n{table(rows)}\n")
+        kind = (
+            "post hoc: chosen after results were seen"
+            if metric in spec.get("post_hoc", [])
+            else "secondary"
+        )
+        note = (
+            f"{kind}; unadjusted 95% intervals; tie margin ±{margins[metric]:g}"
+            if metric in margins
+            else f"{kind}; unadjusted 95% intervals; no tie margin stated"
+        )
+        sections.append(f"### {metric} ({direction}; {note})\n\n{table(rows)}\n")
         plot(rows, out_dir / f"summary_{metric}.png", metric)
         plot_curves(logs, metric, out_dir / f"curves_{metric}.png")
     if not spec.get("shadows") and logs and "beta" in logs[0][1]:
@@ -483,6 +669,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     spec = yaml.safe_load(args.grid.read_text())
     metrics(spec)
     window(spec)
+    check_primary(spec)
     run_grid(spec, args.out_dir, workers=args.workers)
     print(summarize(spec, args.out_dir))
 

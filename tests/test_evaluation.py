@@ -219,7 +219,7 @@ def test_validate_and_test_log_mean_and_pass_at_k_of_the_held_out_prompts(tmp_pa
     cli = run(["validate", *small_run(tmp_path / "validate", *options)[1:]])
     results = {k: float(v) for k, v in cli.trainer.callback_metrics.items()}
     assert cli.datamodule.evaluation.prompts.split == "held_out"
-    for name in ("val/mean@4", "val/pass@1", "val/pass@2", "val/pass@4", "val/value_gap_mc"):
+    for name in ("val/mean@4", "val/pass@1", "val/pass@2", "val/pass@4", "val/value_mse_mc"):
         assert name in results, results
     # pass@1 is mean@n; random lengths' parity: some but not all responses are right
     assert results["val/pass@1"] == pytest.approx(results["val/mean@4"])
@@ -232,5 +232,5 @@ def test_validate_and_test_log_mean_and_pass_at_k_of_the_held_out_prompts(tmp_pa
 
     tested = run(["test", *small_run(tmp_path / "test", *options)[1:]])
     scores = {k: float(v) for k, v in tested.trainer.callback_metrics.items()}
-    assert {"test/reward", "test/mean@4", "test/pass@4", "test/value_gap_mc"} <= set(scores)
+    assert {"test/reward", "test/mean@4", "test/pass@4", "test/value_mse_mc"} <= set(scores)
     assert scores["test/pass@4"] == pytest.approx(results["val/pass@4"])  # the same draws

@@ -13,8 +13,11 @@ from brace_lightning.metrics import (
     HorizonBeta,
     ImportanceWeightStats,
     SeparationByPosition,
+    SignedValueBias,
     StalenessHistogram,
     ValueBiasGap,
+    ValueSquaredError,
+    critic_scores,
     power_of_two_edges,
 )
 from brace_lightning.metrics.functional import (
@@ -112,6 +115,89 @@ def test_value_bias_gap_is_the_mean_absolute_gap_over_actions() -> None:
     assert metric.compute().item() == pytest.approx(expected.item(), abs=1e-12)
     with pytest.warns(UserWarning, match="before the ``update``"):
         assert math.isnan(ValueBiasGap().compute().item())
+
+
+def test_critic_scores_match_a_float64_loop_over_actions() -> None:
+    edges = (0, 2, 5, 9)
+    scores = critic_scores(edges, prefix="val/")
+    batches = [_batch(seed) for seed in (4, 5)]
+    for batch in batches:
+        scores.update(batch["a"].float(), batch["b"], batch["mask"])
+    result = {name: value.item() for name, value in scores.compute().items()}
+    square = absolute = signed = 0.0
+    count = 0
+    bins = [[0.0, 0] for _ in edges]
+    for batch in batches:
+        for b, actions in enumerate(_action_lists(batch["mask"])):
+            for n, t in enumerate(actions):
+                diff = float(batch["a"][b, t].float().double()) - float(batch["b"][b, t])
+                square, absolute, signed, count = (
+                    square + diff * diff,
+                    absolute + abs(diff),
+                    signed + diff,
+                    count + 1,
+                )
+                bins[_bin(n, edges)][0] += diff
+                bins[_bin(n, edges)][1] += 1
+    names = ["val/value_bias_pos0_2", "val/value_bias_pos2_5", "val/value_bias_pos5_9"]
+    names.append("val/value_bias_pos9_up")
+    assert sorted(result) == sorted(
+        ["val/value_mse_mc", "val/value_abs_error_mc", "val/value_bias_mc", *names]
+    )
+    assert result["val/value_mse_mc"] == pytest.approx(square / count, abs=1e-12)
+    assert result["val/value_abs_error_mc"] == pytest.approx(absolute / count, abs=1e-12)
+    assert result["val/value_bias_mc"] == pytest.approx(signed / count, abs=1e-12)
+    for name, (total, n) in zip(names, bins, strict=True):
+        assert n > 0
+        assert result[name] == pytest.approx(total / n, abs=1e-12)
+
+
+def test_critic_score_bins_keep_their_own_state_and_empty_bins_are_nan() -> None:
+    # Both late bins are empty after the first batch; a shared compute group would merge them.
+    scores = critic_scores((0, 4, 8))
+    mask = torch.ones(1, 3, dtype=torch.bool)
+    scores.update(torch.zeros(1, 3), torch.ones(1, 3), mask)
+    scores.update(torch.zeros(1, 10), torch.cat([torch.ones(1, 6), torch.full((1, 4), 3.0)], 1),
+                  torch.ones(1, 10, dtype=torch.bool))  # fmt: skip
+    result = scores.compute()
+    assert result["value_bias_pos0_4"].item() == -1.0
+    assert result["value_bias_pos4_8"].item() == pytest.approx(-(1 + 1 + 3 + 3) / 4)
+    assert result["value_bias_pos8_up"].item() == -3.0
+    empty = critic_scores((0, 100))
+    empty.update(torch.zeros(1, 3), torch.ones(1, 3), mask)
+    assert math.isnan(empty.compute()["value_bias_pos100_up"].item())
+
+
+@pytest.mark.parametrize("p", [0.1, 0.3, 0.5, 0.7, 0.9])
+def test_squared_error_is_minimised_by_the_true_value_and_absolute_error_is_not(p: float) -> None:
+    # G ~ Bernoulli(p) exactly: 100 rows whose returns are 1 in round(100 p) of them, so the metric
+    # over the rows *is* the expectation E[score(V, G)] for a constant critic V.
+    returns = (torch.arange(100) < round(100 * p)).double()[:, None]
+    mask = torch.ones(100, 1, dtype=torch.bool)
+    grid = [i / 100 for i in range(101)]
+    mse, mae = [], []
+    for v in grid:
+        values = torch.full((100, 1), v, dtype=torch.float64)
+        squared, absolute = ValueSquaredError(), ValueBiasGap()
+        squared.update(values, returns, mask)
+        absolute.update(values, returns, mask)
+        mse.append(squared.compute().item())
+        mae.append(absolute.compute().item())
+        # E(V − G)² = Var G + (V − p)²; E|V − G| = p + V(1 − 2p).
+        assert mse[-1] == pytest.approx(p * (1 - p) + (v - p) ** 2, abs=1e-12)
+        assert mae[-1] == pytest.approx(p + v * (1 - 2 * p), abs=1e-12)
+    assert grid[min(range(101), key=mse.__getitem__)] == pytest.approx(p)
+    best_mae = grid[min(range(101), key=mae.__getitem__)]
+    assert best_mae in (0.0, 1.0) or p == 0.5  # the median: 0 or 1, never p (a tie at p = 1/2)
+    if p != 0.5:
+        assert best_mae != pytest.approx(p)
+
+
+def test_signed_value_bias_rejects_bad_bins() -> None:
+    with pytest.raises(ValueError, match="start must be an int >= 0; got -1"):
+        SignedValueBias(-1)
+    with pytest.raises(ValueError, match="stop must be None or an int > start = 4; got 4"):
+        SignedValueBias(4, 4)
 
 
 def test_separation_by_position_bins_the_mean_difference() -> None:
@@ -295,6 +381,8 @@ def _updates(seed: int) -> dict[str, tuple]:
     versions = torch.where(mask, torch.randint(0, 6, mask.shape), -1)
     return {
         "ValueBiasGap": (batch["a"], batch["b"], mask),
+        "ValueSquaredError": (batch["a"], batch["b"], mask),
+        "SignedValueBias": (batch["a"], batch["b"], mask),
         "SeparationByPosition": (batch["a"], mask),
         "HorizonBeta": (batch["a"], batch["b"], mask),
         "ImportanceWeightStats": (batch["a"], batch["b"], mask),
@@ -305,6 +393,8 @@ def _updates(seed: int) -> dict[str, tuple]:
 def _make(name: str) -> object:
     return {
         "ValueBiasGap": lambda: ValueBiasGap(),
+        "ValueSquaredError": lambda: ValueSquaredError(),
+        "SignedValueBias": lambda: SignedValueBias(3, 9),
         "SeparationByPosition": lambda: SeparationByPosition((0, 3, 9)),
         "HorizonBeta": lambda: HorizonBeta((1, 4, 10)),
         "ImportanceWeightStats": lambda: ImportanceWeightStats(),
@@ -324,6 +414,8 @@ def _flatten(result: object) -> list[float]:
     "name",
     [
         "ValueBiasGap",
+        "ValueSquaredError",
+        "SignedValueBias",
         "SeparationByPosition",
         "HorizonBeta",
         "ImportanceWeightStats",

@@ -250,7 +250,7 @@ def run_validate(line: str, workdir: Path) -> None:
         _ensure_checkpoint(path, workdir)
     out = run(line, workdir, *_size_args(line)).stdout
     prefix = "test" if words[1] == "test" else "val"
-    metrics = [f"{prefix}/{name}" for name in ("reward", "accuracy", "value_gap_mc")]
+    metrics = [f"{prefix}/{name}" for name in ("reward", "accuracy", "value_mse_mc", "value_abs_error_mc")]
     metrics += [f"{prefix}/mean@{n}" for n in _option(words, "--data.val_samples_per_prompt")]
     for ks in _option(words, "--data.pass_k"):
         metrics += [f"{prefix}/pass@{k}" for k in yaml.safe_load(ks)]
@@ -450,6 +450,7 @@ def check_sim_results_script(line: str, workdir: Path) -> None:
         assert sweep.cells(spec), grid
         sweep.metrics(spec)
         sweep.window(spec)
+        sweep.check_primary(spec)
         assert (REPO / "docs" / "figures" / grid / "summary.md").is_file(), grid
 
 

@@ -382,7 +382,8 @@ def test_closed_loop_seed_reproduces_exactly_and_staleness_drift_show() -> None:
     assert first.as_dict() == second.as_dict()  # type: ignore[attr-defined]
     assert first.as_dict() != other.as_dict()  # type: ignore[attr-defined]
     assert min(first.kl[3:]) > 0.0  # type: ignore[attr-defined]
-    assert max(first.log_product_mean) <= 0.0  # type: ignore[attr-defined]
+    # Each of the 8 tokens adds at most log c̄ (c̄ = 1.1 by default) to the truncated log-product.
+    assert max(first.log_product_mean) <= 8 * math.log(1.1)  # type: ignore[attr-defined]
 
 
 def test_closed_loop_rejects_bad_config() -> None:
@@ -487,3 +488,47 @@ def test_shadow_critics_learn_from_the_same_data_without_touching_the_run(critic
         assert shadowed.shadow_gap_pi["same"] == plain.gap_pi
     assert len(shadowed.shadow_gap_pi["gae"]) == 8
     assert shadowed.shadow_gap_pi["gae"] != shadowed.shadow_gap_pi["same"]
+
+
+def test_log_weight_statistics_match_a_float64_loop() -> None:
+    from brace_lightning.closed_loop import log_weight_statistics
+
+    generator = torch.Generator().manual_seed(0)
+    log_w = torch.randn(5, 12, generator=generator, dtype=torch.float64) * 0.3
+    mask = torch.ones(5, 12, dtype=torch.bool)
+    mask[1, 9:] = False
+    stats = log_weight_statistics(log_w, mask, c_bar=1.1, window=4)
+    kept = sorted(abs(float(log_w[b, t])) for b in range(5) for t in range(12) if mask[b, t])
+    assert stats["abs_mean"] == pytest.approx(sum(kept) / len(kept), abs=1e-12)
+    assert stats["abs_max"] == kept[-1]
+    assert len(kept) == 57 and stats["abs_p50"] == pytest.approx(kept[28], abs=1e-12)
+    clipped = [[min(math.log(1.1), float(log_w[b, t])) if mask[b, t] else 0.0 for t in range(12)]
+               for b in range(5)]  # fmt: skip
+    products = [sum(row) for row in clipped]
+    windows = [sum(row[t : t + 4]) for row in clipped for t in range(12 - 4 + 1)]
+    assert stats["product_mean"] == pytest.approx(sum(products) / 5, abs=1e-12)
+    assert stats["product_min"] == pytest.approx(min(products), abs=1e-12)
+    assert stats["window_mean"] == pytest.approx(sum(windows) / len(windows), abs=1e-12)
+    # A window longer than the row is the whole row.
+    whole = log_weight_statistics(log_w, mask, c_bar=1.1, window=100)
+    assert whole["window_mean"] == pytest.approx(whole["product_mean"], abs=1e-12)
+
+
+def test_closed_loop_critic_warmup_and_equal_reward_rule_hold_the_actor() -> None:
+    warm = _closed_loop(versions=8, critic_warmup_versions=3)
+    assert warm.actor_stepped[:3] == [0.0, 0.0, 0.0]  # type: ignore[attr-defined]
+    assert warm.value_pi[:4] == [warm.value_pi[0]] * 4  # type: ignore[attr-defined]
+    assert warm.value_pi[4] != warm.value_pi[0]  # type: ignore[attr-defined]
+    plain = _closed_loop(versions=8)
+    assert plain.actor_stepped == [1.0] * 8  # type: ignore[attr-defined]
+    # Horizon 2 with a batch of 4: batches whose 4 rewards are all equal happen often.
+    rule = _closed_loop(horizon=2, batch_size=4, versions=40, skip_equal_reward_batches=True)
+    off = _closed_loop(horizon=2, batch_size=4, versions=40)
+    still = [v for v, s in enumerate(rule.actor_stepped) if s == 0.0]  # type: ignore[attr-defined]
+    assert still and len(still) < 40
+    assert rule.value_pi != off.value_pi  # type: ignore[attr-defined]
+    for v in still:  # no actor step: the next version's policy is this one's
+        if v + 1 < 40:
+            assert rule.value_pi[v + 1] == rule.value_pi[v]  # type: ignore[attr-defined]
+    with pytest.raises(ValueError, match="critic_warmup_versions must be >= 0; got -1"):
+        _closed_loop(critic_warmup_versions=-1)

@@ -35,7 +35,12 @@ def test_aggregate_pairs_by_seed_and_reports_ties() -> None:
     assert (a["diff"], a["diff_low"], a["diff_high"]) == pytest.approx(
         (diff_mean, diff_low, diff_high)
     )
-    assert rows["target=b,S=1"]["verdict"] == "tie"
+    # Covering 0 is not a tie: with no margin stated it is inconclusive, with its half-width.
+    b = rows["target=b,S=1"]
+    assert b["verdict"] == f"inconclusive (±{(b['diff_high'] - b['diff_low']) / 2:.3g})"
+    with_margin = {r["setting"]: r for r in aggregate(scores, "ref", margin=10.0)}
+    assert with_margin["target=b,S=1"]["verdict"] == "tie (±10)"
+    assert with_margin["target=a,S=1"]["verdict"] == "better"
     assert rows["target=ref,S=1"]["verdict"] is None
     # Unpaired, a's interval would overlap ref's: the pairing is what makes it a difference.
     assert a["low"] < rows["target=ref,S=1"]["high"]
@@ -48,11 +53,9 @@ def test_tiny_grid_runs_resumes_and_summarizes(tmp_path: Path) -> None:
     assert len(list(tmp_path.glob("*/log.json"))) == len(cells(spec)) == 12
     for png in ("summary_gap_pi.png", "curves_gap_pi.png", "beta.png"):
         assert (tmp_path / png).stat().st_size > 0
-    assert (
-        "tie" in (tmp_path / "summary.md").read_text()
-        or "better" in (tmp_path / "summary.md").read_text()
-        or "worse" in (tmp_path / "summary.md").read_text()
-    )
+    summary = (tmp_path / "summary.md").read_text()
+    assert "### gap_pi (lower is better; secondary; unadjusted 95% intervals" in summary
+    assert "inconclusive (±" in summary or "better" in summary or "worse" in summary
     first = next(iter(tmp_path.glob("*/log.json")))
     stamp = first.stat().st_mtime_ns
     main([str(grid), str(tmp_path)])  # resumes: nothing reruns
@@ -138,3 +141,84 @@ def test_shadow_grid_pairs_the_critics_of_one_run(tmp_path: Path) -> None:
     shadow = rows["target=brace,driver=brace,objective=ppo"]
     assert shadow["diff"] is not None  # paired with the GAE critic of the same runs
     assert "target=brace,driver=brace" in (tmp_path / "out" / "summary.md").read_text()
+
+
+def _rows(text: str) -> dict[str, list[str]]:
+    """A markdown table's rows by their first cell (the setting)."""
+    lines = [line for line in text.splitlines() if line.startswith("| target=")]
+    return {line.split(" | ")[0].strip("| "): line.split(" | ") for line in lines}
+
+
+def _two_target_scores() -> dict[str, dict[int, float]]:
+    return {
+        "target=ref,S=0": {0: 0.5, 1: 0.6, 2: 0.7},
+        "target=new,S=0": {0: 0.8, 1: 0.91, 2: 0.99},  # +0.3 ± 0.01: clearly better
+        "target=ref,S=8": {0: 0.5, 1: 0.6, 2: 0.7},
+        "target=new,S=8": {0: 0.501, 1: 0.6, 2: 0.699},  # within ±0.02: a tie
+        "target=ref,S=20": {0: 0.5, 1: 0.6, 2: 0.7},
+        "target=new,S=20": {0: 0.9, 1: 0.3, 2: 0.8},  # wide: inconclusive
+    }
+
+
+def test_primary_table_is_one_holm_family_with_margin_and_its_date() -> None:
+    from brace_lightning.statistics import holm, paired_t_test
+    from brace_lightning.sweep import primary_table
+
+    primary = {"date": "2026-12-06", "question": "Q?", "metric": "value_pi",
+               "comparisons": ["new"], "reference": "ref", "margin": 0.02}  # fmt: skip
+    text = primary_table(_two_target_scores(), primary, higher_is_better=True)
+    assert "pre-registered 2026-12-06" in text and "Family: 3 comparisons" in text
+    rows = _rows(text)
+    assert sorted(rows) == ["target=new,S=0", "target=new,S=20", "target=new,S=8"]
+    scores = _two_target_scores()
+    raw = [
+        paired_t_test([scores[f"target=new,S={s}"][i] - 0.5 - 0.1 * i for i in range(3)])[3]
+        for s in (0, 20, 8)
+    ]
+    for s, p, adjusted in zip((0, 20, 8), raw, holm(raw), strict=True):
+        assert float(rows[f"target=new,S={s}"][3]) == pytest.approx(p, rel=1e-2)
+        assert float(rows[f"target=new,S={s}"][4]) == pytest.approx(adjusted, rel=1e-2)
+    assert rows["target=new,S=0"][5].startswith("better")
+    assert rows["target=new,S=8"][5].startswith("tie (±0.02)")
+    assert rows["target=new,S=20"][5].startswith("inconclusive (±")
+
+
+def test_survival_uses_exact_tests_paired_by_seed_or_fisher(tmp_path: Path) -> None:
+    from brace_lightning.statistics import fisher_exact, mcnemar_exact
+    from brace_lightning.sweep import survival_table
+
+    spec = {"targets": {"ref": {}, "new": {}}, "reference": "ref",
+            "survival": {"metric": "value_pi", "threshold": 0.05}}  # fmt: skip
+    survived = {("ref", "A"): [1, 1, 1, 1, 1], ("new", "A"): [0, 0, 0, 0, 1],
+                ("ref", "B"): [1, 1, 1], ("new", "B"): [1, 0, 0, 1]}  # fmt: skip
+    logs = []
+    for (target, setting), outcomes in survived.items():
+        for seed, alive in enumerate(outcomes):
+            cell = {"name": f"target={target},S={setting},seed={seed}", "seed": seed}
+            logs.append((cell, {"value_pi": [0.5, 0.9 if alive else 0.0]}))
+    text = survival_table(spec, logs)
+    rows = _rows(text)
+    assert rows["target=new,S=A"][1:3] == ["1/5 vs 5/5", "McNemar (paired)"]
+    assert float(rows["target=new,S=A"][3]) == pytest.approx(mcnemar_exact(0, 4), abs=1e-3)
+    assert rows["target=new,S=B"][1:3] == ["2/4 vs 3/3", "Fisher"]  # seed 3 has no pair
+    assert float(rows["target=new,S=B"][3]) == pytest.approx(fisher_exact(2, 2, 3, 0), abs=1e-3)
+    assert rows["target=new, all settings"][1] == "1/5 vs 5/5"  # pooled over paired settings
+
+
+def test_primary_block_is_checked_and_every_sim_grid_declares_a_dated_one() -> None:
+    from brace_lightning.sweep import check_primary
+
+    spec = yaml.safe_load((Path(__file__).parent.parent / "sweeps" / "sim_drift.yaml").read_text())
+    primary = check_primary(spec)
+    assert primary is not None and str(primary["date"]) == "2026-12-06"
+    with pytest.raises(ValueError, match="primary names the target 'nope'"):
+        check_primary({**spec, "primary": {**primary, "reference": "nope"}})
+    with pytest.raises(ValueError, match="primary margin must be a number > 0; got 0"):
+        check_primary({**spec, "primary": {**primary, "margin": 0}})
+    with pytest.raises(ValueError, match="primary must be a mapping with the keys"):
+        check_primary({**spec, "primary": {"metric": "value_pi"}})
+    for name in ("sim_drift", "sim_mlp_rules", "sim_staleness", "sim_targets"):
+        grid = yaml.safe_load(
+            (Path(__file__).parent.parent / "sweeps" / f"{name}.yaml").read_text()
+        )
+        assert check_primary(grid) is not None, name

@@ -108,10 +108,12 @@ def test_validate_scores_on_policy_rollouts_and_fit_logs_them_at_the_rollout_ste
     parity = ["--data.reward=tests.test_trainer.ParityReward", "--data.val_batches=2"]
     cli = run(["validate", *small_run(tmp_path / "validate", *parity)[1:]])
     results = cli.trainer.callback_metrics
-    for name in ("val/reward", "val/accuracy", "val/response_length", "val/value_gap_mc"):
+    scores = ("val/value_mse_mc", "val/value_abs_error_mc", "val/value_bias_mc")
+    for name in ("val/reward", "val/accuracy", "val/response_length", *scores):
         assert name in results, name
+    assert "val/value_bias_pos0_8" in results and "val/value_gap_mc" not in results
     assert 0.0 < float(results["val/reward"]) < 1.0  # parity of random lengths
-    assert float(results["val/value_gap_mc"]) > 0.0  # an untrained critic is off
+    assert float(results["val/value_mse_mc"]) > 0.0  # an untrained critic is off
 
     fitted = run(small_run(tmp_path / "fit", *parity))
     scalars = read_scalars(fitted.trainer.logger.log_dir)

@@ -259,7 +259,7 @@ class _ValidationRollouts(IterableDataset):
     Every validation pass draws the same prompts (a generator seeded with ``seed``) from the
     validation prompts (:class:`~brace_lightning.data.eval_plan.EvaluationPlan`) and builds a fresh
     engine from the hand-off, so the rows are on-policy: their realized returns are unbiased
-    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_gap_mc``. Each batch's
+    Monte-Carlo estimates of V^π, the reference of the critic's ``val/value_mse_mc``. Each batch's
     ``info`` carries its mean@n and pass@k (``metrics/pass_at_k.py``).
     """
 

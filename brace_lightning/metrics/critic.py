@@ -1,4 +1,13 @@
-"""Critic-bias diagnostics of the BRACE paper as torchmetrics: ĝ_π, b̂ by position, β by horizon.
+"""Critic-bias diagnostics of the BRACE paper as torchmetrics: ĝ_π, b̂ by position, β by horizon,
+and the critic's proper score against realized returns.
+
+Which score for a critic: against a noisy reference such as a 0/1 Monte-Carlo return G, the mean
+absolute error E|V − G| is minimised by the conditional *median* of G (0 or 1), not by V^π = E[G]:
+for G ~ Bernoulli(p), E|V − G| = p + V(1 − 2p), linear in V. The squared error E(V − G)² (the Brier
+score for 0/1 rewards) is a proper score: it equals Var(G) + (V − V^π)², minimised exactly at V^π,
+so differences between critics in it are differences in (V − V^π)². :func:`critic_scores` bundles
+the proper score, the signed bias mean(V − G) by position bin (an estimate of the paper's ĝ_π and
+b(s_t) with its sign) and the absolute error under a name that says what it is.
 
 Every state is a sum (``dist_reduce_fx="sum"``), so the metrics reduce across processes and merge
 with :meth:`torchmetrics.Metric.merge_state` exactly. Sums are kept in float64.
@@ -15,7 +24,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torchmetrics import Metric
+from torchmetrics import Metric, MetricCollection
 
 from brace_lightning.metrics.functional import (
     action_index,
@@ -26,12 +35,19 @@ from brace_lightning.metrics.functional import (
 )
 
 __all__ = [
+    "CRITIC_SCORE_EDGES",
     "Binned",
     "HorizonBeta",
     "SeparationByPosition",
+    "SignedValueBias",
     "ValueBiasGap",
+    "ValueSquaredError",
+    "critic_scores",
     "power_of_two_edges",
 ]
+
+#: Left edges (action index) of :func:`critic_scores`' position bins: 0-7, 8-31, 32-127, 128 on.
+CRITIC_SCORE_EDGES = (0, 8, 32, 128)
 
 
 def power_of_two_edges(largest: int, *, start: int = 0) -> tuple[int, ...]:
@@ -101,6 +117,121 @@ class ValueBiasGap(Metric):
 
     def compute(self) -> torch.Tensor:
         return self.abs_sum / self.count
+
+
+class ValueSquaredError(Metric):
+    """Mean squared error of the critic to a reference over actions: the proper critic score.
+
+        MSE = (1 / N) Σ_{actions} (V(s_t) − G_t)²
+
+    With G_t the realized return of on-policy rollouts (0/1 rewards: the Brier score), its
+    expectation is Var(G_t) + (V(s_t) − V^π(s_t))², minimised by V = V^π (module docstring), so
+    it ranks critics by their distance to V^π up to a term that is the same for every critic.
+    ``compute()`` is a 0-dim float64 tensor, NaN before any action.
+
+    Update args:
+        values: ``[B, T]`` the critic's values V(s_t).
+        reference: ``[B, T]`` the reference, e.g. realized returns G_t.
+        mask: ``[B, T]`` bool, True at actions.
+    """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    square_sum: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        self.add_state("square_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> None:
+        check_mask(mask, values=values, reference=reference)
+        error = values.double() - reference.double()
+        self.square_sum += (error[mask] ** 2).sum()
+        self.count += mask.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.square_sum / self.count
+
+
+class SignedValueBias(Metric):
+    """Signed mean gap mean(V(s_t) − G_t) over the actions whose action index n_t is in
+    ``[start, stop)``: the estimate of the paper's ĝ_π with its sign, by position (b(s_t) when the
+    critic has converged to V^µ and G is on-policy).
+
+    A scalar per instance (one per bin in :func:`critic_scores`) so that Lightning logs each bin
+    as its own metric. ``compute()`` is a 0-dim float64 tensor, NaN when no action fell in the bin.
+
+    Args:
+        start: first action index counted, ≥ 0.
+        stop: first action index not counted (None: no end), > ``start``.
+
+    Update args:
+        values: ``[B, T]`` the critic's values V(s_t).
+        reference: ``[B, T]`` the reference, e.g. realized returns G_t.
+        mask: ``[B, T]`` bool, True at actions.
+    """
+
+    is_differentiable = False
+    full_state_update = False
+
+    diff_sum: torch.Tensor
+    count: torch.Tensor
+
+    def __init__(self, start: int = 0, stop: int | None = None, **kwargs: object) -> None:
+        super().__init__(**kwargs)
+        if not isinstance(start, int) or start < 0:
+            raise ValueError(f"start must be an int >= 0; got {start!r}.")
+        if stop is not None and (not isinstance(stop, int) or stop <= start):
+            raise ValueError(f"stop must be None or an int > start = {start}; got {stop!r}.")
+        self.start, self.stop = start, stop
+        self.add_state("diff_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", torch.zeros((), dtype=torch.long), dist_reduce_fx="sum")
+
+    def update(self, values: torch.Tensor, reference: torch.Tensor, mask: torch.Tensor) -> None:
+        check_mask(mask, values=values, reference=reference)
+        index = action_index(mask)
+        keep = mask & (index >= self.start)
+        if self.stop is not None:
+            keep &= index < self.stop
+        self.diff_sum += (values.double() - reference.double())[keep].sum()
+        self.count += keep.sum()
+
+    def compute(self) -> torch.Tensor:
+        return self.diff_sum / self.count
+
+
+def critic_scores(
+    bin_edges: Sequence[int] = CRITIC_SCORE_EDGES, *, prefix: str = ""
+) -> MetricCollection:
+    """The critic's scores against realized returns, as one collection updated with
+    ``(values [B, T], returns [B, T], mask [B, T])`` and logged with ``log_dict``:
+
+    - ``value_mse_mc``: mean (V − G)², the proper score (:class:`ValueSquaredError`), the headline;
+    - ``value_bias_mc``: mean (V − G) over every action (:class:`SignedValueBias`);
+    - ``value_bias_pos{a}_{b}``: mean (V − G) over action indices a ≤ n < b, one per bin of
+      ``bin_edges`` (the last ``value_bias_pos{a}_up``);
+    - ``value_abs_error_mc``: mean |V − G| (:class:`ValueBiasGap`), *not* a proper score against
+      0/1 returns (module docstring): kept to compare with older logs.
+
+    Args:
+        bin_edges: increasing left edges of the position bins, the first ≥ 0.
+        prefix: prepended to every name (``"val/"`` in the module).
+    """
+    edges = check_bin_edges("bin_edges", bin_edges).tolist()
+    metrics: dict[str, Metric] = {
+        "value_mse_mc": ValueSquaredError(),
+        "value_bias_mc": SignedValueBias(),
+        "value_abs_error_mc": ValueBiasGap(),
+    }
+    for start, stop in zip(edges, [*edges[1:], None], strict=True):
+        name = f"value_bias_pos{start}_{'up' if stop is None else stop}"
+        metrics[name] = SignedValueBias(start, stop)
+    # compute_groups=False: bins that are equal after the first batch must not share their state.
+    return MetricCollection(metrics, prefix=prefix, compute_groups=False)
 
 
 class SeparationByPosition(Metric):

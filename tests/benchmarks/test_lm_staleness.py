@@ -30,7 +30,7 @@ def test_summarize_known_interval() -> None:
     assert brace["high"] == pytest.approx(0.4 + 0.24843, abs=1e-4)
     assert brace["diff"] == pytest.approx(0.2)
     assert brace["diff_low"] == pytest.approx(0.2 - 0.24843, abs=1e-4)
-    assert brace["verdict"] == "tie"  # the interval covers 0
+    assert brace["verdict"] == "inconclusive (±0.248)"  # covers 0; no margin stated: not a tie
     assert rows[(8, "brace")]["verdict"] == "better"  # paired with GAE at the same lag only
     assert "diff" not in rows[(0, "gae")]
     # Lower is better (the value gap): the same difference is then worse.
@@ -126,7 +126,7 @@ def test_grid_runs_resumes_and_tabulates(tmp_path: Path, capsys: pytest.CaptureF
         assert f"--data.init_args.lag={cell.lag}" in marker["args"]
         series = lm_staleness.read_cell(cell.folder(out))
         assert [step for step, _ in series["rollout/reward"]] == [1, 2]
-        assert len(series["val/value_gap_mc"]) == 2  # validated after each 1-step epoch
+        assert len(series["val/value_mse_mc"]) == 2  # validated after each 1-step epoch
     summary = (out / "summary.md").read_text()
     for name, _, _, _ in lm_staleness.METRICS:
         section = summary.split(f"**{name}**")[1].split("**")[0].strip().splitlines()
