@@ -13,7 +13,7 @@ here); ``"dr_grpo"`` = ``seq_mean_token_sum`` with ``max_len = max_completion_le
 constant normaliser, Liu et al. 2025 §3.1: no length bias).
 
 Each mode is one row factor times one count, so the module keeps a single division by a count
-summed over ranks and micro-batches (:func:`row_factors`, :func:`counted`) and gradient
+summed over ranks and micro-batches (:func:`weigh`, :func:`counted`) and gradient
 accumulation and data parallelism still give one big batch's gradient; :func:`aggregate` is the
 same formula on one local batch.
 """
@@ -64,14 +64,34 @@ def row_factors(
     return 1.0 / mask.sum(dim=1, keepdim=True).clamp(min=1).to(dtype)
 
 
+def weigh(
+    token_loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None
+) -> torch.Tensor:
+    """``token_loss`` ``[B, T]`` times its rows' factors (``token_loss`` itself for
+    ``token_mean``); summed and divided by the step's count of :func:`counted`, the mode's loss."""
+    factors = row_factors(mask, mode, max_len, token_loss.dtype)
+    return token_loss if factors is None else token_loss * factors
+
+
 def aggregate(
     token_loss: torch.Tensor, mask: torch.Tensor, mode: str, max_len: int | None = None
 ) -> torch.Tensor:
     """The scalar loss of ``token_loss`` ``[B, T]`` over the actions of ``mask`` ``[B, T]`` (bool)
     in ``mode`` (module docstring), for one local batch."""
     check_mode(mode, max_len)
-    loss = torch.where(mask, token_loss, 0.0)
-    factors = row_factors(mask, mode, max_len, loss.dtype)
-    if factors is not None:
-        loss = loss * factors
+    loss = weigh(torch.where(mask, token_loss, 0.0), mask, mode, max_len)
     return loss.sum() / counted(mask, mode).sum().clamp(min=1)
+
+
+class LossAggregation:
+    """A mode and its ``max_len``, checked once (``BraceModule``'s ``loss_aggregation`` and
+    ``loss_max_len``); :meth:`weigh` is :func:`weigh` with them."""
+
+    def __init__(self, mode: str = "token_mean", max_len: int | None = None) -> None:
+        check_mode(mode, max_len)
+        self.mode = mode
+        self.max_len = max_len
+
+    def weigh(self, token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """:func:`weigh` of ``token_loss`` and ``mask`` ``[B, T]`` in this mode."""
+        return weigh(token_loss, mask, self.mode, self.max_len)
