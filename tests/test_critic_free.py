@@ -97,9 +97,8 @@ def test_loss_aggregation_changes_the_update(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_has_no_critic_and_resumes_exactly_and_exports_the_actor_alone(tmp_path):
     common = ["--model.value_target=GRPO", PARITY, "--model.ppo_epochs=1"]
-    straight = run(small_run(tmp_path / "straight", *common, steps=4))
     save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
-    first = run(small_run(tmp_path / "first", *common, *save, steps=4))
+    first = run(small_run(tmp_path / "first", *common, *save, steps=6))
     (checkpoint,) = (tmp_path / "ckpt").iterdir()
     state = load_checkpoint(checkpoint)
     assert not [k for k in state["state_dict"] if not k.startswith("actor.")]
@@ -110,7 +109,6 @@ def test_checkpoint_has_no_critic_and_resumes_exactly_and_exports_the_actor_alon
     a, b = actor_weights(reference), actor_weights(resumed)
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=0, atol=0, msg=name)
-    del straight
     out = export_checkpoint(checkpoint, tmp_path / "exported")
     assert sorted(p.name for p in out.iterdir()) == ["actor"]
 
