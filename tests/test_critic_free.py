@@ -181,3 +181,15 @@ def test_group_ids_are_unique_over_ranks_and_steps():
         for offset in offsets(rank, 2):
             ids.update(range(offset, offset + 4))
     assert len(ids) == 2 * 3 * 4
+
+
+def test_the_importance_weighted_arm_differs_from_grpo_only_in_its_baseline():
+    import yaml
+
+    grpo, weighted = (
+        yaml.safe_load((CONFIGS / "targets" / f"{name}.yaml").read_text())
+        for name in ("grpo", "grpo_is")
+    )
+    assert weighted["model"]["value_target"]["init_args"].pop("baseline_rho_bar") == 1.2
+    assert grpo["model"]["value_target"]["init_args"].pop("baseline_rho_bar") is None
+    assert weighted == grpo
