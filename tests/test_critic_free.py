@@ -83,6 +83,33 @@ def test_cli_fit_with_each_critic_free_overlay_trains_the_actor_alone(tmp_path, 
 
 
 @pytest.mark.slow
+def test_async_producer_and_the_importance_weighted_baseline_train_on_stale_groups(tmp_path):
+    asynchronous = run(
+        small_run(
+            tmp_path / "async",
+            "--config",
+            str(CONFIGS / "async.yaml"),
+            "--model.value_target=GRPO",
+            PARITY,
+            "--data.samples_per_prompt=4",
+            steps=3,
+        )
+    )
+    assert asynchronous.model.critic is None and asynchronous.model.policy_version == 3
+    stale = ("--data.lag=2", "--data.max_staleness=2", PARITY, "--data.samples_per_prompt=4")
+    advantages = {}
+    for name in ("grpo", "grpo_is"):
+        overlay = str(CONFIGS / "targets" / f"{name}.yaml")
+        cli = run(small_run(tmp_path / name, "--config", overlay, *stale, steps=4))
+        scalars = read_scalars(cli.trainer.logger.log_dir)
+        assert max(value for _, value in scalars["data/staleness_max"]) == 2.0
+        advantages[name] = [value for _, value in scalars["rollout/advantage_std"]]
+    # Same samples until the weights differ; the weighted baseline moves the advantages once
+    # π ≠ µ (from the first stale step on).
+    assert advantages["grpo"] != advantages["grpo_is"]
+
+
+@pytest.mark.slow
 def test_loss_aggregation_changes_the_update(tmp_path):
     args = ("--model.value_target=GRPO", PARITY, "--data.samples_per_prompt=4")
     weights = {}
