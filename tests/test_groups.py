@@ -220,3 +220,15 @@ def test_modes_differ_and_bad_modes_are_refused():
         check_mode("sum")
     with pytest.raises(ValueError, match="loss_max_len is read by"):
         check_mode("token_mean", 10)
+
+
+def test_aggregation_modes_are_trl_loss_types():
+    """TRL 1.16 GRPOTrainer._compute_loss: "grpo", "dr_grpo" and "bnpo"/"dapo" (one process)."""
+    _, loss, _, mask, _ = token_inputs(7)
+    m = mask.to(loss.dtype)
+    grpo = ((loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
+    dr_grpo = (loss * m).sum() / (loss.size(0) * 32)
+    bnpo = (loss * m).sum() / m.sum().clamp(min=1.0)
+    torch.testing.assert_close(aggregate(loss, mask, "seq_mean_token_mean"), grpo)
+    torch.testing.assert_close(aggregate(loss, mask, "seq_mean_token_sum", 32), dr_grpo)
+    torch.testing.assert_close(aggregate(loss, mask, "token_mean"), bnpo)
