@@ -20,6 +20,7 @@ from torchmetrics import MetricCollection
 from brace_lightning.data.eval_plan import PROMPTS_KEY
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.scorer import shift_values
 
 
 def sampling_keys(info: dict[str, float]) -> list[str]:
@@ -28,27 +29,33 @@ def sampling_keys(info: dict[str, float]) -> list[str]:
 
 
 def log_evaluation_batch(
-    module: Any, batch: RolloutBatch, values: torch.Tensor, critic: MetricCollection, prefix: str
+    module: Any,
+    batch: RolloutBatch,
+    values: torch.Tensor | None,
+    critic: MetricCollection,
+    prefix: str,
 ) -> None:
     """Log one validation (``prefix="val"``) or test (``"test"``) batch of ``module`` (a
     ``BraceModule``).
 
     Args:
         batch: the rollouts, on the module's device (``[B, T]``).
-        values: ``[B, T]`` the critic's value of the state before each token (``shift_values``).
+        values: ``[B, T]`` the critic's outputs on the batch (the value of the prefix ending at
+            each token; shifted here with ``shift_values``), None in a critic-free run (no scores).
         critic: the pass's critic scores (``metrics.critic_scores`` with the ``prefix/`` names; one
             per stage, reset by Lightning per pass).
         prefix: ``"val"`` or ``"test"``.
     """
-    realized = reward_to_go(batch.rewards, batch.mask, gamma=module.value_target.gamma)
-    critic.update(values, realized, batch.mask)
     log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
     module.log("step", float(module.rollout_step), reduce_fx="max", **log)
     module.log(f"{prefix}/reward", batch.scores.float().mean(), prog_bar=True, **log)
     module.log(f"{prefix}/response_length", batch.mask.sum(1).float().mean(), **log)
     if batch.correct is not None:
         module.log(f"{prefix}/accuracy", batch.correct.float().mean(), **log)
-    module.log_dict(critic, **log)
+    if values is not None:
+        realized = reward_to_go(batch.rewards, batch.mask, gamma=module.value_target.gamma)
+        critic.update(shift_values(values), realized, batch.mask)
+        module.log_dict(critic, **log)
     prompts = int(batch.info.get(PROMPTS_KEY, 0))
     for key in sampling_keys(batch.info):
         module.log(f"{prefix}/{key}", float(batch.info[key]), batch_size=prompts)

@@ -13,7 +13,6 @@ rewards are all equal (``equal_rewards.py``); the plumbing's homes: ``docs/archi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -28,7 +27,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torchmetrics import MetricCollection
 
-from brace_lightning import step_metrics
+from brace_lightning import optim, step_metrics
+from brace_lightning.checks import blame
 from brace_lightning.console import quiet_lightning
 from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
@@ -42,30 +42,28 @@ from brace_lightning.hparams import (
     save_component_configs,
 )
 from brace_lightning.metrics import HorizonBeta, critic_scores
-from brace_lightning.models.build import build_actor_critic, shard_actor_critic
+from brace_lightning.models.build import (
+    build_actor_critic,
+    checkpoint_actor_critic,
+    refuse_meta_init_without_fsdp,
+    shard_actor_critic,
+)
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_logprobs, require_finite_loss
 from brace_lightning.models.microbatch import MicroBatch, widen
-from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.sources import TINY, load_tokenizer
 from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, bucket_bytes_from_mb, drain
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
+from brace_lightning.objectives.aggregation import LossAggregation
 from brace_lightning.objectives.functional import kl_to_reference
-from brace_lightning.optim import adamw, build_optimizers, clipped_step, step_schedulers
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.scorer import Scored, Scorer
+from brace_lightning.scorer import Scored, Scorer, shift_values
 from brace_lightning.seeds import restore_rng_state, rng_state, run_seed
 from brace_lightning.step_metrics import PhaseTimer, UpdateStats, log_training_step, masked_mean
 from brace_lightning.step_size import ESSAdaptiveStepSize, actor_lr_scale
 from brace_lightning.targets import BRACE, ValueTarget
-
-
-def shift_values(values: torch.Tensor) -> torch.Tensor:
-    """Critic outputs ``[B, T]`` (value of the prefix ending at t) → value of the state before the
-    token at t, stored at column t (column 0 gets 0)."""
-    return torch.nn.functional.pad(values[:, :-1], (1, 0))
 
 
 class BraceModule(pl.LightningModule):
@@ -74,8 +72,8 @@ class BraceModule(pl.LightningModule):
     Args:
         actor: ``"tiny-char"`` (built-in tiny Qwen2 + character tokenizer), a local model folder or
             a Hugging Face hub name.
-        value_target: the critic's regression target and the advantage estimator
-            (``brace_lightning.targets.GAE`` / ``VTrace`` / ``BRACE``).
+        value_target: the advantage estimator and critic target (``brace_lightning.targets``:
+            ``GAE``, ``VTrace``, ``BRACE``; or ``GRPO``, ``DrGRPO``, ``RLOO``: no critic at all).
         actor_objective: the actor loss (``brace_lightning.objectives.PPOClip`` and the stabilizers).
         critic_loss: the critic loss (clipped value loss, ε_v = 0.5 by default).
         actor_optimizer: builds the actor's optimizer; default AdamW(lr=1e-6) (paper).
@@ -94,7 +92,8 @@ class BraceModule(pl.LightningModule):
             cannot pack keeps padded rows, with one logged sentence.
         critic_warmup_steps: rollout steps during which only the critic is trained.
         max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
-        whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
+        whiten_advantages: normalise advantages to zero mean and unit variance over the batch;
+            None (default): only with a critic (a group-relative target is its own normalisation).
         skip_equal_reward_batches: no actor step on a batch whose rewards are all equal (counted).
         mask_equal_reward_groups: advantage 0 in prompt groups whose rewards are all equal (DAPO).
         tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
@@ -115,6 +114,9 @@ class BraceModule(pl.LightningModule):
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
         actor_step_size: the actor's lr times a factor from the batch's ESS (``step_size.py``, VCPO).
         log_version_drift: log ``kl/version_drift_k3`` (one more actor forward per step).
+        loss_aggregation: the actor loss over the step's tokens: ``"token_mean"`` (default),
+            ``"seq_mean_token_sum"``, ``"seq_mean_token_mean"`` (``objectives/aggregation.py``).
+        loss_max_len: ``seq_mean_token_sum``'s constant divisor L (Dr. GRPO; None: 1).
     """
 
     def __init__(
@@ -136,7 +138,7 @@ class BraceModule(pl.LightningModule):
         pack_sequences: bool = True,
         critic_warmup_steps: int = 5,
         max_grad_norm: float | None = 1.0,
-        whiten_advantages: bool = True,
+        whiten_advantages: bool | None = None,
         skip_equal_reward_batches: bool = True,
         mask_equal_reward_groups: bool = False,
         tiny_hidden_size: int = 128,
@@ -152,6 +154,8 @@ class BraceModule(pl.LightningModule):
         kl_mode: str = "loss",
         actor_step_size: ESSAdaptiveStepSize | None = None,
         log_version_drift: bool = False,
+        loss_aggregation: str = "token_mean",
+        loss_max_len: int | None = None,
     ) -> None:
         super().__init__()
         quiet_lightning()  # tips and dataloader_iter notes, also for Python-API users (console.py)
@@ -172,7 +176,7 @@ class BraceModule(pl.LightningModule):
         self.value_target = value_target
         self.actor_objective = actor_objective
         self.critic_loss = critic_loss
-        self._optimizers = (actor_optimizer or adamw(1e-6), critic_optimizer or adamw(1e-5))
+        self._optimizers = optim.with_defaults(actor_optimizer, critic_optimizer)
         self._schedulers = (actor_scheduler, critic_scheduler)
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
         self.scorer = Scorer(
@@ -180,14 +184,17 @@ class BraceModule(pl.LightningModule):
             max_tokens=max_tokens_per_micro_batch,
             pack_sequences=pack_sequences,
         )
-        self.critic_warmup_steps, self.max_grad_norm = critic_warmup_steps, max_grad_norm
-        self.whiten_advantages = whiten_advantages
+        self.critic_warmup_steps = critic_warmup_steps if value_target.needs_critic else 0
+        self.max_grad_norm = max_grad_norm
+        whiten = value_target.needs_critic if whiten_advantages is None else whiten_advantages
+        self.whiten_advantages = whiten
         self.equal_rewards = EqualRewards(skip_equal_reward_batches, mask_equal_reward_groups)
         self.activation_checkpointing = activation_checkpointing
         self.fsdp_mixed_precision, self.fsdp_cpu_offload = fsdp_mixed_precision, fsdp_cpu_offload
         self.weight_sync_bucket_bytes = bucket_bytes_from_mb(weight_sync_bucket_mb)
         self.kl_coef, self.kl_estimator, self.kl_mode = float(kl_coef), kl_estimator, kl_mode
         self.actor_step_size, self.log_version_drift = actor_step_size, log_version_drift
+        self.aggregation = LossAggregation(loss_aggregation, loss_max_len)
         self.tokenizer = load_tokenizer(actor)
         self.actor, self.critic, self._meta = build_actor_critic(
             actor,
@@ -197,6 +204,7 @@ class BraceModule(pl.LightningModule):
             seed=seed,
             critic_from_actor=critic_from_actor,
             meta_init=fsdp_meta_init,
+            with_critic=value_target.needs_critic,
         )
         decay = actor_objective.ewma_decay
         self.ewma = None if decay is None else EwmaPolicy(self.actor, decay)
@@ -232,14 +240,9 @@ class BraceModule(pl.LightningModule):
         packing once (``Scorer.prepare``). Idempotent: Lightning may call it more than once."""
         trainer = self._trainer
         if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
-            if trainer is not None and self.hparams.get("fsdp_meta_init"):
-                raise ValueError(
-                    "fsdp_meta_init=True needs trainer.strategy ModelParallelStrategy (FSDP2); got "
-                    f"{type(trainer.strategy).__name__}."
-                )
+            refuse_meta_init_without_fsdp(trainer, bool(self.hparams.get("fsdp_meta_init")))
             if self.activation_checkpointing:
-                checkpoint_activations(self.actor)
-                checkpoint_activations(self.critic)
+                checkpoint_actor_critic(self.actor, self.critic)
         else:
             check_ewma_support(self.actor_objective.ewma_decay, fsdp=True)
             shard_actor_critic(
@@ -257,7 +260,9 @@ class BraceModule(pl.LightningModule):
         self.scorer.prepare(self.actor, self.critic, copies)
 
     def configure_optimizers(self) -> Any:
-        return build_optimizers((self.actor, self.critic), self._optimizers, self._schedulers)
+        return optim.configure_optimizers(
+            self.actor, self.critic, self._optimizers, self._schedulers
+        )
 
     # ------------------------------------------------------------------ the step
 
@@ -332,13 +337,14 @@ class BraceModule(pl.LightningModule):
                 metrics["kl/ref_penalty"] = float(penalty.sum(1).mean())
                 reference = None  # the actor loss has no KL term
         start = time.perf_counter()
-        with self._blame(self.value_target):
+        with blame(self.rollout_step, self.value_target):
             targets = self.value_target(
                 rewards=batch.rewards,
                 values=old_values,
                 target_logprobs=proximal,
                 behavior_logprobs=batch.behavior_logprobs,
                 mask=batch.mask,
+                group_ids=batch.group_ids,
             )
         metrics["time/value_target_ms"] = (time.perf_counter() - start) * 1e3
         advantages, actions = self.equal_rewards.policy_advantages(targets.advantages, batch)
@@ -355,39 +361,39 @@ class BraceModule(pl.LightningModule):
         lr_scale: float | None,
         stats: UpdateStats,
     ) -> None:
-        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches.
-
-        ``scored.reference`` (log π_ref, only with ``kl_mode="loss"``) adds kl_coef · KL(π‖π_ref)
-        to the actor's token loss, summed and divided by the same global action-token count.
-        """
-        actor_opt, critic_opt = self.optimizers()
+        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches;
+        ``scored.reference`` (log π_ref, ``kl_mode="loss"``) adds kl_coef · KL(π‖π_ref) to the
+        actor's token loss, aggregated like it (``loss_aggregation``)."""
+        actor_opt, critic_opt = optim.optimizers_by_network(self)
         world_size = self.trainer.world_size
         tokens = self.ranks.global_count(mb.mask)
         scale = world_size / tokens  # DDP averages gradients over ranks
+        actor_scale = self.ranks.loss_scale(mb.mask, self.aggregation.mode, tokens)
         temperature = float(mb.info.get("temperature", 1.0))
         width = mb.input_ids.shape[1]
         for micro in self.scorer.plan(mb.attention_mask, self.ranks.reduce_max):
             rows, cols = micro.rows, micro.columns
             ids, attn, mask = mb.input_ids[rows, cols], mb.attention_mask[rows, cols], mb.mask[rows]
-            values = shift_values(widen(self.scorer.values(self.critic, ids, attn), cols, width))
-            with self._blame(self.critic_loss):
-                critic_out = self.critic_loss(
-                    values=values,
-                    old_values=scored.old_values[rows],
-                    returns=scored.returns[rows],
-                    mask=mask,
-                )
-            # A filler (weight 0) only keeps the ranks' backward counts equal.
-            critic_loss = critic_out.token_loss.sum() * scale * micro.weight
-            self._backward("critic loss", critic_loss)
-            if micro.weight:
-                stats.add("critic/loss", critic_loss.detach() / world_size)
-                stats.add_objective("critic", critic_out.stats, tokens)
+            if critic_opt is not None:
+                values = widen(self.scorer.values(self.critic, ids, attn), cols, width)
+                with blame(self.rollout_step, self.critic_loss):
+                    critic_out = self.critic_loss(
+                        values=shift_values(values),
+                        old_values=scored.old_values[rows],
+                        returns=scored.returns[rows],
+                        mask=mask,
+                    )
+                # A filler (weight 0) only keeps the ranks' backward counts equal.
+                critic_loss = critic_out.token_loss.sum() * scale * micro.weight
+                self._backward("critic loss", critic_loss)
+                if micro.weight:
+                    stats.add("critic/loss", critic_loss.detach() / world_size)
+                    stats.add_objective("critic", critic_out.stats, tokens)
             if not train_actor:
                 continue
             logprobs = widen(self.scorer.logprobs(self.actor, ids, attn, temperature), cols, width)
             proximal = scored.proximal if scored.ewma is None else scored.ewma
-            with self._blame(self.actor_objective):
+            with blame(self.rollout_step, self.actor_objective):
                 actor_out = self.actor_objective(
                     logprobs=logprobs,
                     proximal_logprobs=proximal[rows],
@@ -403,20 +409,21 @@ class BraceModule(pl.LightningModule):
                 )
                 token_loss = token_loss + self.kl_coef * kl
                 if micro.weight:
-                    kl_part = (self.kl_coef * kl).detach().sum() * scale / world_size
-                    stats.add("actor/kl_ref_loss", kl_part)
-            actor_loss = token_loss.sum() * scale * micro.weight
+                    kl_part = self.aggregation.weigh(self.kl_coef * kl, mask).detach().sum()
+                    stats.add("actor/kl_ref_loss", kl_part * actor_scale / world_size)
+            actor_loss = self.aggregation.weigh(token_loss, mask).sum() * actor_scale * micro.weight
             self._backward("actor loss", actor_loss)
             if micro.weight:
                 stats.add("actor/loss", actor_loss.detach() / world_size)
                 stats.add_objective("actor", actor_out.stats, tokens)
         stats.end_minibatch(self.ranks.reduce_stats(stats.minibatch))
-        stats.append("critic/grad_norm", self._clipped_step(self.critic, critic_opt))
+        if critic_opt is not None:
+            stats.append("critic/grad_norm", self._clipped_step(self.critic, critic_opt))
         if train_actor:
             stats.append("actor/grad_norm", self._clipped_step(self.actor, actor_opt, lr_scale))
             if self.ewma is not None:
                 self.ewma.update(self.actor)
-        step_schedulers(self, actor_stepped=train_actor)
+        optim.step_schedulers(self, actor_stepped=train_actor)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Log on-policy rollouts of held-out prompts: reward, mean@n, pass@k, the critic's scores."""
@@ -427,7 +434,7 @@ class BraceModule(pl.LightningModule):
         self._evaluate(batch.to(self.device), self.test_critic, "test")
 
     def _evaluate(self, batch: RolloutBatch, critic: MetricCollection, prefix: str) -> None:
-        values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
+        values = None if self.critic is None else self.critic(batch.input_ids, batch.attention_mask)
         log_evaluation_batch(self, batch, values, critic, prefix)
 
     # ------------------------------------------------------------------ helpers
@@ -435,19 +442,11 @@ class BraceModule(pl.LightningModule):
     def _clipped_step(
         self, model: nn.Module, optimizer: Any, lr_scale: float | None = None
     ) -> torch.Tensor:
-        return clipped_step(model, optimizer, self.max_grad_norm, self.device, lr_scale)
+        return optim.clipped_step(model, optimizer, self.max_grad_norm, self.device, lr_scale)
 
     def _backward(self, what: str, loss: torch.Tensor) -> None:
         require_finite_loss(what, loss, rollout_step=self.rollout_step)
         self.manual_backward(loss)
-
-    @contextlib.contextmanager
-    def _blame(self, component: object) -> Iterator[None]:
-        """Prefix a ValueError raised by ``component`` with the rollout step and the component."""
-        try:
-            yield
-        except ValueError as error:
-            raise ValueError(f"rollout step {self.rollout_step}, {component!r}: {error}") from error
 
     def setup(self, stage: str) -> None:
         """Build the actor's weight hand-off (the only way weights leave the trainer) and hand it

@@ -2,7 +2,9 @@
 
 The module has two optimizers (actor, critic) under manual optimization; every minibatch steps the
 critic's and, after the critic warm-up, the actor's. Each network's gradient norm is clipped on its
-own (``max_grad_norm``), and a network's LR scheduler steps only when its optimizer did.
+own (``max_grad_norm``), and a network's LR scheduler steps only when its optimizer did. A
+critic-free value target (GRPO, Dr. GRPO, RLOO) builds no critic: then there is one optimizer (the
+actor's), and the critic's optimizer and scheduler arguments are not built.
 """
 
 from __future__ import annotations
@@ -26,6 +28,13 @@ def adamw(lr: float) -> OptimizerFactory:
         return torch.optim.AdamW(params, lr=lr)
 
     return build
+
+
+def with_defaults(
+    actor: OptimizerFactory | None, critic: OptimizerFactory | None
+) -> tuple[OptimizerFactory, OptimizerFactory]:
+    """The (actor, critic) optimizer factories, the paper's AdamW (1e-6 / 1e-5) where None."""
+    return actor or adamw(1e-6), critic or adamw(1e-5)
 
 
 def clipped_step(
@@ -65,21 +74,31 @@ def clipped_step(
     return norm
 
 
-def build_optimizers(
-    networks: tuple[nn.Module, nn.Module],
-    optimizers: tuple[Callable[[Any], Any], Callable[[Any], Any]],
+def configure_optimizers(
+    actor: nn.Module,
+    critic: nn.Module | None,
+    optimizers: tuple[OptimizerFactory, OptimizerFactory],
     schedulers: tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None],
 ) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
-    """``configure_optimizers``'s answer for the (actor, critic) ``networks``: one optimizer each
-    from ``optimizers`` and, where ``schedulers`` has a factory, its scheduler stepped every
-    optimizer step (``interval="step"``)."""
-    built = [factory(net.parameters()) for net, factory in zip(networks, optimizers, strict=True)]
-    stepped = [
+    """Lightning's ``configure_optimizers`` value: the (actor, critic) optimizers built by the
+    ``optimizers`` factories (the actor's only when ``critic`` is None) and their step-wise
+    schedulers from the ``schedulers`` factories (None: no scheduler)."""
+    networks = (actor,) if critic is None else (actor, critic)
+    opts = [factory(net.parameters()) for factory, net in zip(optimizers, networks, strict=False)]
+    scheduled = [
         {"scheduler": factory(opt), "interval": "step"}
-        for opt, factory in zip(built, schedulers, strict=True)
+        for opt, factory in zip(opts, schedulers, strict=False)
         if factory is not None
     ]
-    return built, stepped
+    return opts, scheduled
+
+
+def optimizers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
+    """``module``'s (actor, critic) optimizers; the critic's None in a critic-free run."""
+    opts = module.optimizers()
+    if not isinstance(opts, list):
+        return opts, None
+    return opts[0], opts[1]
 
 
 def step_schedulers(module: pl.LightningModule, *, actor_stepped: bool) -> None:
@@ -99,5 +118,6 @@ def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
     if not isinstance(schedulers, list):
         schedulers = [schedulers]
     by_opt = {id(s.optimizer): s for s in schedulers}
-    actor_opt, critic_opt = module.optimizers()
-    return by_opt.get(id(actor_opt.optimizer)), by_opt.get(id(critic_opt.optimizer))
+    actor_opt, critic_opt = optimizers_by_network(module)
+    critic = None if critic_opt is None else by_opt.get(id(critic_opt.optimizer))
+    return by_opt.get(id(actor_opt.optimizer)), critic

@@ -177,6 +177,10 @@ def test_the_sync_module_drops_a_hung_sample_and_conserves_counts(release):
     assert len(batch) == 3
     c = dm.counters
     assert c["generated"] == 4 and c["trained"] == 3 and c["dropped_reward_error"] == 1
+    # The hung sample's group keeps its other row: one partial group, counted (issue 32).
+    assert sorted(batch.group_ids.bincount().tolist()) == [1, 2]
+    assert batch.info["partial_groups"] == 1.0
+    assert "partial_groups" not in dm.next_batch().info  # whole groups: nothing to count
 
 
 def test_the_async_module_drops_a_hung_sample_and_conserves_counts(release):
@@ -186,6 +190,7 @@ def test_the_async_module_drops_a_hung_sample_and_conserves_counts(release):
         batch = dm.next_batch()
         assert len(batch) == 3 and dm.counters["dropped_reward_error"] == 1
         assert batch.info["reward_timeouts"] == 1.0
+        assert batch.info["partial_groups"] == 1.0  # the hung sample's group lost one row
         assert_conserved(dm, batch)
     finally:
         dm.teardown("fit")
