@@ -295,7 +295,7 @@ def run_quickstart_script(line: str, workdir: Path) -> None:
     (fit,) = [s for s in _script_commands(script) if re.match(PROGRAM + r" fit ", s)]
     assert fit.endswith('"$@"'), f"{fit!r} does not pass the script's arguments on"
     assert "bash scripts/setup.sh" in _script_commands(script)
-    assert 'EXTRAS="dev,bench" bash scripts/setup.sh' in _script_commands(
+    assert 'EXTRAS="dev,bench,peers" bash scripts/setup.sh' in _script_commands(
         (REPO / "scripts" / "test.sh").read_text()
     )
     before = _event_files(workdir)
@@ -315,13 +315,18 @@ def check_test_script(line: str, workdir: Path) -> None:
     assert line in _script_commands((REPO / ".ci" / "run").read_text())
     commands = _script_commands((REPO / "scripts" / "test.sh").read_text())
     assert commands[0] == "set -euo pipefail"
-    assert 'EXTRAS="dev,bench" bash scripts/setup.sh' in commands
+    assert 'EXTRAS="dev,bench,peers" bash scripts/setup.sh' in commands
     (pytest_line,) = [c for c in commands if "pytest" in c]
     words = _words(pytest_line)
     assert words[:4] == [".venv/bin/python", "-m", "pytest", "tests"], pytest_line
     assert not {"-m", "-k", "--ignore", "--deselect"} & set(words[4:]), pytest_line
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
+    # The peer trainer (TRL) is an extra the test command installs, never a dependency.
+    assert pyproject["project"]["optional-dependencies"]["peers"] == ["trl==1.16.0"]
+    assert not any(d.startswith("trl") for d in pyproject["project"]["dependencies"])
+    pins = (REPO / "constraints" / "tested.txt").read_text().splitlines()
+    assert "trl==1.16.0" in pins and any(p.startswith("accelerate==") for p in pins)
     assert Path(__file__).parent == REPO / "tests"
 
 
