@@ -97,6 +97,8 @@ BENCHMARK_PARSE_ONLY = {
     "covers its cells, resume and aggregation",
     "gpu_check": "vLLM's start alone takes a minute on CPU; tests/test_vllm.py asserts the log-prob "
     "gaps it prints",
+    "peer_trainers": "a warm start and a spawned process per arm: about two minutes at 2 steps; "
+    "tests/benchmarks/test_peer_trainers.py runs every arm briefly",
 }
 # Scripts replaced by a stand-in in the working directory (see the module docstring).
 SETUP_SCRIPTS = ("setup.sh", "install_vllm.sh")
