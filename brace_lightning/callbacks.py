@@ -90,8 +90,10 @@ class SupervisedWarmStart(pl.Callback):
             return
         pairs = task.supervised_pairs(self.num_pairs, seed=self.seed)
         device = trainer.strategy.root_device
+        critic = pl_module.critic  # None with a critic-free value target
         pl_module.actor.to(device)
-        pl_module.critic.to(device)
+        if critic is not None:
+            critic.to(device)
         losses = supervised_warm_start(
             pl_module.actor,
             pl_module.tokenizer,
@@ -103,9 +105,9 @@ class SupervisedWarmStart(pl.Callback):
             progress=trainer.is_global_zero and trainer.progress_bar_callback is not None,
         )
         self.final_loss = losses[-1]
-        if self.copy_to_critic:
-            copy_backbone_to_critic(pl_module.actor, pl_module.critic, seed=critic_seed(self.seed))
-        broadcast_from_rank_zero(pl_module.actor, pl_module.critic)
+        if self.copy_to_critic and critic is not None:
+            copy_backbone_to_critic(pl_module.actor, critic, seed=critic_seed(self.seed))
+        broadcast_from_rank_zero(*(m for m in (pl_module.actor, critic) if m is not None))
         self.done = True
         if trainer.logger is not None:
             trainer.logger.log_metrics({"warm_start/final_loss": self.final_loss}, step=0)

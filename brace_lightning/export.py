@@ -5,7 +5,8 @@
 - ``DIR/actor``: the policy as a causal LM with its tokenizer (``AutoModelForCausalLM`` /
   ``AutoTokenizer.from_pretrained(DIR/actor)``, servable by vLLM);
 - ``DIR/critic``: the critic's backbone (``AutoModel``) plus ``value_head.safetensors``; load it
-  with :func:`load_exported_critic`.
+  with :func:`load_exported_critic`. A run with a critic-free value target (GRPO, Dr. GRPO, RLOO)
+  has no critic: only ``DIR/actor`` is written.
 
 ``DIR`` must be new or empty unless ``--overwrite`` is given, which replaces it whole. The export is
 written into a temporary folder beside ``DIR`` and renamed into place when complete, so a failed
@@ -49,6 +50,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModel, PreTrainedModel, PreTrainedTokenizerBase
 
 from brace_lightning.checkpoints import LIGHTNING_KEYS, load_checkpoint
+from brace_lightning.hparams import from_config
 from brace_lightning.models.critic import ValueModel
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
@@ -58,6 +60,7 @@ from brace_lightning.models.weight_sync import (
     gather_state_dict,
     module_bucket_bytes,
 )
+from brace_lightning.targets import ValueTarget
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 #: What ``export`` needs of a checkpoint besides Lightning's keys: the run's hyperparameters.
@@ -73,10 +76,19 @@ def read_hparams(ckpt_path: str | Path) -> dict[str, Any]:
     return _unwrap_hparams(load_checkpoint(ckpt_path, required=EXPORT_KEYS)["hyper_parameters"])
 
 
+def has_critic(hparams: dict[str, Any]) -> bool:
+    """Whether the run of ``hparams`` built a critic (not with a critic-free value target)."""
+    value_target = hparams.get("value_target")
+    if value_target is None:
+        return True
+    return from_config(value_target, ValueTarget, "value_target").needs_critic
+
+
 def build_skeleton(
     hparams: dict[str, Any],
-) -> tuple[PreTrainedModel, ValueModel, PreTrainedTokenizerBase]:
-    """Actor, critic and tokenizer with the run's architecture (random weights, to be filled)."""
+) -> tuple[PreTrainedModel, ValueModel | None, PreTrainedTokenizerBase]:
+    """Actor, critic (None for a critic-free run) and tokenizer with the run's architecture
+    (random weights, to be filled)."""
     source = hparams.get("actor", TINY)
     tokenizer = load_tokenizer(source)
     if source == TINY:
@@ -88,7 +100,7 @@ def build_skeleton(
         )
     else:
         actor = load_causal_lm(AutoConfig.from_pretrained(source), seed=0)  # no weights read
-    critic = ValueModel.from_config(actor.config, seed=0)
+    critic = ValueModel.from_config(actor.config, seed=0) if has_critic(hparams) else None
     return actor, critic, tokenizer
 
 
@@ -191,14 +203,15 @@ def _check_subfolders(out: Path) -> None:
 
 def save_hf_folders(
     actor: nn.Module,
-    critic: ValueModel,
+    critic: ValueModel | None,
     tokenizer: PreTrainedTokenizerBase,
     out: str | Path,
     *,
     actor_state: dict[str, torch.Tensor] | None = None,
     critic_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
-    """Write ``out/actor`` (model + tokenizer) and ``out/critic`` (backbone + value head).
+    """Write ``out/actor`` (model + tokenizer) and ``out/critic`` (backbone + value head; not
+    written when ``critic`` is None).
 
     Each replaces an earlier folder of its name whole (written beside it, then renamed), so no file
     of an earlier export stays; other files in ``out`` are kept. ``actor_state``/``critic_state``
@@ -218,6 +231,8 @@ def save_hf_folders(
     with _staged(out / "actor") as actor_dir:
         actor.save_pretrained(actor_dir, state_dict=actor_state, safe_serialization=True)
         tokenizer.save_pretrained(actor_dir)
+    if critic is None:
+        return out
     critic_state = critic.state_dict() if critic_state is None else critic_state
     backbone = {
         k[len("backbone.") :]: v for k, v in critic_state.items() if k.startswith("backbone.")
@@ -252,10 +267,12 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, *, overwrite: bool
     checkpoint = load_checkpoint(path, required=EXPORT_KEYS)
     actor, critic, tokenizer = build_skeleton(_unwrap_hparams(checkpoint["hyper_parameters"]))
     target = {f"actor.{k}": v for k, v in actor.state_dict().items()}
-    target |= {f"critic.{k}": v for k, v in critic.state_dict().items()}
+    if critic is not None:
+        target |= {f"critic.{k}": v for k, v in critic.state_dict().items()}
     state = _load_model_state(path, checkpoint, target)
     actor.load_state_dict(_split(state, "actor."))
-    critic.load_state_dict(_split(state, "critic."))
+    if critic is not None:
+        critic.load_state_dict(_split(state, "critic."))
     with _staged(out) as staging:
         save_hf_folders(actor, critic, tokenizer, staging)
     return out
@@ -297,9 +314,11 @@ class ExportOnFitEnd(pl.Callback):
         # most their part of one bucket (models/weight_sync.py).
         bucket_bytes = module_bucket_bytes(pl_module) or DEFAULT_BUCKET_MB * MIB
         actor_state = gather_state_dict(actor, bucket_bytes=bucket_bytes, dst=0)
-        critic_state = gather_state_dict(critic, bucket_bytes=bucket_bytes, dst=0)
+        critic_state = None
+        if critic is not None:
+            critic_state = gather_state_dict(critic, bucket_bytes=bucket_bytes, dst=0)
         if trainer.is_global_zero:
-            assert actor_state is not None and critic_state is not None
+            assert actor_state is not None and (critic is None or critic_state is not None)
             save_hf_folders(
                 actor,
                 critic,

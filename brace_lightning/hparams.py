@@ -25,6 +25,7 @@ from lightning.pytorch.loggers import TensorBoardLogger
 from brace_lightning.checks import require_bool, require_int
 from brace_lightning.models.parallelize import mixed_precision_dtypes
 from brace_lightning.models.weight_sync import bucket_bytes_from_mb
+from brace_lightning.objectives.aggregation import check_mode
 from brace_lightning.objectives.functional import KL_ESTIMATORS
 
 T = TypeVar("T")
@@ -161,4 +162,5 @@ def check_module_arguments(args: dict[str, Any]) -> None:
     if args["kl_mode"] not in KL_MODES:
         raise ValueError(f"kl_mode must be one of {', '.join(KL_MODES)}; got {args['kl_mode']!r}.")
     bucket_bytes_from_mb(args["weight_sync_bucket_mb"])  # validates the setting
+    check_mode(args["loss_aggregation"], args["loss_max_len"])
     mixed_precision_dtypes(args["fsdp_mixed_precision"], "cpu")  # validates the setting

@@ -13,7 +13,6 @@ rewards are all equal (``equal_rewards.py``); the plumbing's homes: ``docs/archi
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import time
 from collections.abc import Iterator
@@ -27,6 +26,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from brace_lightning.checks import blame
 from brace_lightning.console import quiet_lightning
 from brace_lightning.data.base import PublishTarget
 from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data_module_name
@@ -40,12 +40,15 @@ from brace_lightning.hparams import (
 )
 from brace_lightning.metrics import HorizonBeta, ValueBiasGap
 from brace_lightning.metrics.functional import reward_to_go
-from brace_lightning.models.build import build_actor_critic, shard_actor_critic
+from brace_lightning.models.build import (
+    build_actor_critic,
+    checkpoint_actor_critic,
+    shard_actor_critic,
+)
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_logprobs, require_finite_loss
 from brace_lightning.models.microbatch import MicroBatch, widen
-from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.sources import TINY, load_tokenizer
 from brace_lightning.models.weight_sync import (
     DEFAULT_BUCKET_MB,
@@ -53,20 +56,21 @@ from brace_lightning.models.weight_sync import (
     drain,
 )
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
+from brace_lightning.objectives.aggregation import LossAggregation
 from brace_lightning.objectives.functional import kl_to_reference
-from brace_lightning.optim import adamw, clipped_step, schedulers_by_network
+from brace_lightning.optim import (
+    adamw,
+    clipped_step,
+    configure_optimizers,
+    optimizers_by_network,
+    schedulers_by_network,
+)
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
-from brace_lightning.scorer import Scored, Scorer
+from brace_lightning.scorer import Scored, Scorer, shift_values
 from brace_lightning.seeds import restore_rng_state, rng_state, run_seed
 from brace_lightning.step_metrics import PhaseTimer, UpdateStats, log_training_step, masked_mean
 from brace_lightning.targets import BRACE, ValueTarget
-
-
-def shift_values(values: torch.Tensor) -> torch.Tensor:
-    """Critic outputs ``[B, T]`` (value of the prefix ending at t) → value of the state before the
-    token at t, stored at column t (column 0 gets 0)."""
-    return torch.nn.functional.pad(values[:, :-1], (1, 0))
 
 
 class BraceModule(pl.LightningModule):
@@ -75,8 +79,8 @@ class BraceModule(pl.LightningModule):
     Args:
         actor: ``"tiny-char"`` (built-in tiny Qwen2 + character tokenizer), a local model folder or
             a Hugging Face hub name.
-        value_target: the critic's regression target and the advantage estimator
-            (``brace_lightning.targets.GAE`` / ``VTrace`` / ``BRACE``).
+        value_target: the advantage estimator and critic target (``brace_lightning.targets``:
+            ``GAE``, ``VTrace``, ``BRACE``; or ``GRPO``, ``DrGRPO``, ``RLOO``: no critic at all).
         actor_objective: the actor loss (``brace_lightning.objectives.PPOClip`` and the stabilizers).
         critic_loss: the critic loss (clipped value loss, ε_v = 0.5 by default).
         actor_optimizer: builds the actor's optimizer; default AdamW(lr=1e-6) (paper).
@@ -95,7 +99,8 @@ class BraceModule(pl.LightningModule):
             cannot pack keeps padded rows, with one logged sentence.
         critic_warmup_steps: rollout steps during which only the critic is trained.
         max_grad_norm: gradient-norm clip applied to actor and critic separately (None = off).
-        whiten_advantages: normalise advantages to zero mean and unit variance over the batch.
+        whiten_advantages: normalise advantages to zero mean and unit variance over the batch;
+            None (default): only with a critic (a group-relative target is its own normalisation).
         skip_equal_reward_batches: no actor step on a batch whose rewards are all equal (counted).
         mask_equal_reward_groups: advantage 0 in prompt groups whose rewards are all equal (DAPO).
         tiny_hidden_size: width of the ``"tiny-char"`` model (multiple of 32).
@@ -114,6 +119,9 @@ class BraceModule(pl.LightningModule):
         kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
+        loss_aggregation: the actor loss over the step's tokens: ``"token_mean"`` (default),
+            ``"seq_mean_token_sum"``, ``"seq_mean_token_mean"`` (``objectives/aggregation.py``).
+        loss_max_len: ``seq_mean_token_sum``'s constant divisor L (Dr. GRPO; None: 1).
     """
 
     def __init__(
@@ -135,7 +143,7 @@ class BraceModule(pl.LightningModule):
         pack_sequences: bool = True,
         critic_warmup_steps: int = 5,
         max_grad_norm: float | None = 1.0,
-        whiten_advantages: bool = True,
+        whiten_advantages: bool | None = None,
         skip_equal_reward_batches: bool = True,
         mask_equal_reward_groups: bool = False,
         tiny_hidden_size: int = 128,
@@ -149,6 +157,8 @@ class BraceModule(pl.LightningModule):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_mode: str = "loss",
+        loss_aggregation: str = "token_mean",
+        loss_max_len: int | None = None,
     ) -> None:
         super().__init__()
         quiet_lightning()  # tips and dataloader_iter notes, also for Python-API users (console.py)
@@ -174,9 +184,10 @@ class BraceModule(pl.LightningModule):
             max_tokens=max_tokens_per_micro_batch,
             pack_sequences=pack_sequences,
         )
-        self.critic_warmup_steps = critic_warmup_steps
+        self.critic_warmup_steps = critic_warmup_steps if value_target.needs_critic else 0
         self.max_grad_norm = max_grad_norm
-        self.whiten_advantages = whiten_advantages
+        whiten = value_target.needs_critic if whiten_advantages is None else whiten_advantages
+        self.whiten_advantages = whiten
         self.equal_rewards = EqualRewards(skip_equal_reward_batches, mask_equal_reward_groups)
         self.activation_checkpointing = activation_checkpointing
         self.fsdp_mixed_precision = fsdp_mixed_precision
@@ -185,6 +196,7 @@ class BraceModule(pl.LightningModule):
         self.kl_coef = float(kl_coef)
         self.kl_estimator = kl_estimator
         self.kl_mode = kl_mode
+        self.aggregation = LossAggregation(loss_aggregation, loss_max_len)
         self.tokenizer = load_tokenizer(actor)
         self.actor, self.critic, self._meta = build_actor_critic(
             actor,
@@ -194,6 +206,7 @@ class BraceModule(pl.LightningModule):
             seed=seed,
             critic_from_actor=critic_from_actor,
             meta_init=fsdp_meta_init,
+            with_critic=value_target.needs_critic,
         )
         self.ewma: EwmaPolicy | None = None
         if actor_objective.ewma_decay is not None:
@@ -237,8 +250,7 @@ class BraceModule(pl.LightningModule):
                     f"{type(trainer.strategy).__name__}."
                 )
             if self.activation_checkpointing:
-                checkpoint_activations(self.actor)
-                checkpoint_activations(self.critic)
+                checkpoint_actor_critic(self.actor, self.critic)
         else:
             check_ewma_support(self.actor_objective.ewma_decay, fsdp=True)
             shard_actor_critic(
@@ -256,14 +268,7 @@ class BraceModule(pl.LightningModule):
         self.scorer.prepare(self.actor, self.critic, copies)
 
     def configure_optimizers(self) -> Any:
-        actor_opt = self._optimizers[0](self.actor.parameters())
-        critic_opt = self._optimizers[1](self.critic.parameters())
-        schedulers = [
-            {"scheduler": factory(opt), "interval": "step"}
-            for opt, factory in zip((actor_opt, critic_opt), self._schedulers, strict=True)
-            if factory is not None
-        ]
-        return [actor_opt, critic_opt], schedulers
+        return configure_optimizers(self.actor, self.critic, self._optimizers, self._schedulers)
 
     # ------------------------------------------------------------------ the step
 
@@ -332,13 +337,14 @@ class BraceModule(pl.LightningModule):
                 metrics["kl/ref_penalty"] = float(penalty.sum(1).mean())
                 reference = None  # the actor loss has no KL term
         start = time.perf_counter()
-        with self._blame(self.value_target):
+        with blame(self.rollout_step, self.value_target):
             targets = self.value_target(
                 rewards=batch.rewards,
                 values=old_values,
                 target_logprobs=proximal,
                 behavior_logprobs=batch.behavior_logprobs,
                 mask=batch.mask,
+                group_ids=batch.group_ids,
             )
         metrics["time/value_target_ms"] = (time.perf_counter() - start) * 1e3
         advantages, actions = self.equal_rewards.policy_advantages(targets.advantages, batch)
@@ -350,39 +356,39 @@ class BraceModule(pl.LightningModule):
     def _update(
         self, mb: RolloutBatch, scored: Scored, train_actor: bool, stats: UpdateStats
     ) -> None:
-        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches.
-
-        ``scored.reference`` (log π_ref, only with ``kl_mode="loss"``) adds kl_coef · KL(π‖π_ref)
-        to the actor's token loss, summed and divided by the same global action-token count.
-        """
-        actor_opt, critic_opt = self.optimizers()
+        """One optimizer step of critic (and actor) on minibatch ``mb``, over micro-batches;
+        ``scored.reference`` (log π_ref, ``kl_mode="loss"``) adds kl_coef · KL(π‖π_ref) to the
+        actor's token loss, aggregated like it (``loss_aggregation``)."""
+        actor_opt, critic_opt = optimizers_by_network(self)
         world_size = self.trainer.world_size
         tokens = self.ranks.global_count(mb.mask)
         scale = world_size / tokens  # DDP averages gradients over ranks
+        actor_scale = self.ranks.loss_scale(mb.mask, self.aggregation.mode, tokens)
         temperature = float(mb.info.get("temperature", 1.0))
         width = mb.input_ids.shape[1]
         for micro in self.scorer.plan(mb.attention_mask, self.ranks.reduce_max):
             rows, cols = micro.rows, micro.columns
             ids, attn, mask = mb.input_ids[rows, cols], mb.attention_mask[rows, cols], mb.mask[rows]
-            values = shift_values(widen(self.scorer.values(self.critic, ids, attn), cols, width))
-            with self._blame(self.critic_loss):
-                critic_out = self.critic_loss(
-                    values=values,
-                    old_values=scored.old_values[rows],
-                    returns=scored.returns[rows],
-                    mask=mask,
-                )
-            # A filler (weight 0) only keeps the ranks' backward counts equal.
-            critic_loss = critic_out.token_loss.sum() * scale * micro.weight
-            self._backward("critic loss", critic_loss)
-            if micro.weight:
-                stats.add("critic/loss", critic_loss.detach() / world_size)
-                stats.add_objective("critic", critic_out.stats, tokens)
+            if critic_opt is not None:
+                values = widen(self.scorer.values(self.critic, ids, attn), cols, width)
+                with blame(self.rollout_step, self.critic_loss):
+                    critic_out = self.critic_loss(
+                        values=shift_values(values),
+                        old_values=scored.old_values[rows],
+                        returns=scored.returns[rows],
+                        mask=mask,
+                    )
+                # A filler (weight 0) only keeps the ranks' backward counts equal.
+                critic_loss = critic_out.token_loss.sum() * scale * micro.weight
+                self._backward("critic loss", critic_loss)
+                if micro.weight:
+                    stats.add("critic/loss", critic_loss.detach() / world_size)
+                    stats.add_objective("critic", critic_out.stats, tokens)
             if not train_actor:
                 continue
             logprobs = widen(self.scorer.logprobs(self.actor, ids, attn, temperature), cols, width)
             proximal = scored.proximal if scored.ewma is None else scored.ewma
-            with self._blame(self.actor_objective):
+            with blame(self.rollout_step, self.actor_objective):
                 actor_out = self.actor_objective(
                     logprobs=logprobs,
                     proximal_logprobs=proximal[rows],
@@ -398,15 +404,16 @@ class BraceModule(pl.LightningModule):
                 )
                 token_loss = token_loss + self.kl_coef * kl
                 if micro.weight:
-                    kl_part = (self.kl_coef * kl).detach().sum() * scale / world_size
-                    stats.add("actor/kl_ref_loss", kl_part)
-            actor_loss = token_loss.sum() * scale * micro.weight
+                    kl_part = self.aggregation.weigh(self.kl_coef * kl, mask).detach().sum()
+                    stats.add("actor/kl_ref_loss", kl_part * actor_scale / world_size)
+            actor_loss = self.aggregation.weigh(token_loss, mask).sum() * actor_scale * micro.weight
             self._backward("actor loss", actor_loss)
             if micro.weight:
                 stats.add("actor/loss", actor_loss.detach() / world_size)
                 stats.add_objective("actor", actor_out.stats, tokens)
         stats.end_minibatch(self.ranks.reduce_stats(stats.minibatch))
-        stats.append("critic/grad_norm", self._clipped_step(self.critic, critic_opt))
+        if critic_opt is not None:
+            stats.append("critic/grad_norm", self._clipped_step(self.critic, critic_opt))
         if train_actor:
             stats.append("actor/grad_norm", self._clipped_step(self.actor, actor_opt))
             if self.ewma is not None:
@@ -421,16 +428,17 @@ class BraceModule(pl.LightningModule):
         """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)
         and the critic's value-bias gap to their realized returns (``val/value_gap_mc``)."""
         batch = batch.to(self.device)
-        values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
-        realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
-        self.val_value_gap.update(values, realized, batch.mask)
         log = {"batch_size": len(batch)}  # "step" sets the x-axis: the rollout step, as in training
+        if self.critic is not None:  # a critic-free run has no value gap
+            values = shift_values(self.critic(batch.input_ids, batch.attention_mask))
+            realized = reward_to_go(batch.rewards, batch.mask, gamma=self.value_target.gamma)
+            self.val_value_gap.update(values, realized, batch.mask)
+            self.log("val/value_gap_mc", self.val_value_gap, **log)
         self.log("step", float(self.rollout_step), reduce_fx="max", **log)
         self.log("val/reward", batch.scores.float().mean(), prog_bar=True, **log)
         self.log("val/response_length", batch.mask.sum(1).float().mean(), **log)
         if batch.correct is not None:
             self.log("val/accuracy", batch.correct.float().mean(), **log)
-        self.log("val/value_gap_mc", self.val_value_gap, **log)
 
     # ------------------------------------------------------------------ helpers
 
@@ -440,14 +448,6 @@ class BraceModule(pl.LightningModule):
     def _backward(self, what: str, loss: torch.Tensor) -> None:
         require_finite_loss(what, loss, rollout_step=self.rollout_step)
         self.manual_backward(loss)
-
-    @contextlib.contextmanager
-    def _blame(self, component: object) -> Iterator[None]:
-        """Prefix a ValueError raised by ``component`` with the rollout step and the component."""
-        try:
-            yield
-        except ValueError as error:
-            raise ValueError(f"rollout step {self.rollout_step}, {component!r}: {error}") from error
 
     def setup(self, stage: str) -> None:
         """Build the actor's weight hand-off (the only way weights leave the trainer) and hand it

@@ -2,7 +2,9 @@
 
 The module has two optimizers (actor, critic) under manual optimization; every minibatch steps the
 critic's and, after the critic warm-up, the actor's. Each network's gradient norm is clipped on its
-own (``max_grad_norm``), and a network's LR scheduler steps only when its optimizer did.
+own (``max_grad_norm``), and a network's LR scheduler steps only when its optimizer did. A
+critic-free value target (GRPO, Dr. GRPO, RLOO) builds no critic: then there is one optimizer (the
+actor's), and the critic's optimizer and scheduler arguments are not built.
 """
 
 from __future__ import annotations
@@ -45,6 +47,33 @@ def clipped_step(
     return norm
 
 
+def configure_optimizers(
+    actor: nn.Module,
+    critic: nn.Module | None,
+    optimizers: tuple[OptimizerFactory, OptimizerFactory],
+    schedulers: tuple[Callable[[Any], Any] | None, Callable[[Any], Any] | None],
+) -> tuple[list[torch.optim.Optimizer], list[dict[str, Any]]]:
+    """Lightning's ``configure_optimizers`` value: the (actor, critic) optimizers built by the
+    ``optimizers`` factories (the actor's only when ``critic`` is None) and their step-wise
+    schedulers from the ``schedulers`` factories (None: no scheduler)."""
+    networks = (actor,) if critic is None else (actor, critic)
+    opts = [factory(net.parameters()) for factory, net in zip(optimizers, networks, strict=False)]
+    scheduled = [
+        {"scheduler": factory(opt), "interval": "step"}
+        for opt, factory in zip(opts, schedulers, strict=False)
+        if factory is not None
+    ]
+    return opts, scheduled
+
+
+def optimizers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
+    """``module``'s (actor, critic) optimizers; the critic's None in a critic-free run."""
+    opts = module.optimizers()
+    if not isinstance(opts, list):
+        return opts, None
+    return opts[0], opts[1]
+
+
 def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
     """The LR schedulers of ``module``'s (actor, critic) optimizers; None where there is none."""
     schedulers = module.lr_schedulers()
@@ -53,5 +82,6 @@ def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
     if not isinstance(schedulers, list):
         schedulers = [schedulers]
     by_opt = {id(s.optimizer): s for s in schedulers}
-    actor_opt, critic_opt = module.optimizers()
-    return by_opt.get(id(actor_opt.optimizer)), by_opt.get(id(critic_opt.optimizer))
+    actor_opt, critic_opt = optimizers_by_network(module)
+    critic = None if critic_opt is None else by_opt.get(id(critic_opt.optimizer))
+    return by_opt.get(id(actor_opt.optimizer)), critic

@@ -20,6 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
+from brace_lightning.objectives.aggregation import counted
 from brace_lightning.step_metrics import masked_mean
 
 
@@ -43,6 +44,14 @@ class Ranks:
         if self.world_size > 1:
             count = self.strategy.reduce(count, reduce_op="sum")
         return count.clamp(min=1.0)
+
+    def loss_scale(self, mask: torch.Tensor, mode: str, tokens: torch.Tensor) -> torch.Tensor:
+        """world_size / the global count the actor loss of ``mode`` divides by
+        (``objectives/aggregation.py``): ``tokens`` (the global action count of ``mask``) for
+        ``token_mean``, else the rows of all ranks (DDP averages gradients over ranks)."""
+        if mode == "token_mean":
+            return self.world_size / tokens
+        return self.world_size / self.global_count(counted(mask, mode))
 
     def whiten(self, x: torch.Tensor, mask: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
         """:func:`whiten` with the mean and variance over the actions of all ranks."""

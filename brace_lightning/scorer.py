@@ -29,6 +29,12 @@ from brace_lightning.models.policy import token_logprobs
 from brace_lightning.rollout.types import RolloutBatch
 
 
+def shift_values(values: torch.Tensor) -> torch.Tensor:
+    """Critic outputs ``[B, T]`` (value of the prefix ending at t) → value of the state before the
+    token at t, stored at column t (column 0 gets 0)."""
+    return torch.nn.functional.pad(values[:, :-1], (1, 0))
+
+
 @dataclasses.dataclass
 class Scored:
     """What the PPO epochs read, all ``[B, T]`` and without grad: the proximal log-probs
@@ -66,13 +72,16 @@ class Scorer:
         self.pack_sequences = pack_sequences
         self.packed: bool | None = None  # decided by prepare()
 
-    def prepare(self, actor: nn.Module, critic: nn.Module, copies: Iterable[nn.Module]) -> None:
-        """Decide packing once (later calls change nothing) and make ``copies`` of the actor
-        (EWMA, reference) attend like it."""
+    def prepare(
+        self, actor: nn.Module, critic: nn.Module | None, copies: Iterable[nn.Module]
+    ) -> None:
+        """Decide packing once (later calls change nothing; ``critic`` None: a critic-free run)
+        and make ``copies`` of the actor (EWMA, reference) attend like it."""
         if self.packed is not None:
             return
         self.packed = self.pack_sequences
-        for model in (actor, critic) if self.pack_sequences else ():
+        models = [m for m in (actor, critic) if m is not None]
+        for model in models if self.pack_sequences else ():
             problem = prepare_packing(model)  # runs a probe forward
             if isinstance(model, FSDPModule):
                 model.reshard()  # back to shards only, as configure_model left it
@@ -134,9 +143,12 @@ class Scorer:
         return score_rows(logprobs, batch.input_ids, batch.attention_mask, plan)
 
     def score_values(
-        self, critic: nn.Module, batch: RolloutBatch, plan: list[MicroBatch]
+        self, critic: nn.Module | None, batch: RolloutBatch, plan: list[MicroBatch]
     ) -> torch.Tensor:
-        """``[B, T]`` critic outputs over ``batch`` (call without grad)."""
+        """``[B, T]`` critic outputs over ``batch`` (call without grad); zeros, and no forward,
+        without a critic (a critic-free value target reads no values)."""
+        if critic is None:
+            return torch.zeros(batch.input_ids.shape, device=batch.input_ids.device)
 
         def values(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
             return self.values(critic, ids, attn)

@@ -31,6 +31,7 @@ from brace_lightning.equal_rewards import equal_reward_group_fraction
 from brace_lightning.metrics import HorizonBeta
 from brace_lightning.metrics.functional import reward_to_go
 from brace_lightning.objectives.functional import MAX_LOG_RATIO
+from brace_lightning.optim import optimizers_by_network
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scored
 
@@ -292,6 +293,8 @@ def log_training_step(
         **stats.fold(module.ppo_epochs),
         **info_metrics(batch),
     }
+    if module.critic is None:  # a critic-free target: no critic to measure
+        metrics = {k: v for k, v in metrics.items() if not k.startswith("critic/")}
     values = module.ranks.combine_metrics({k: float(v) for k, v in metrics.items()})
     log_step_metrics(module, values, module.rollout_step, len(batch))
     log_sample_completions(module, batch, module.tokenizer, module.rollout_step)
@@ -338,12 +341,13 @@ def rollout_statistics(batch: RolloutBatch, advantages: torch.Tensor) -> dict[st
 
 
 def optimizer_statistics(module: pl.LightningModule) -> dict[str, float]:
-    """``lr/actor`` and ``lr/critic``: each optimizer's current learning rate (first group)."""
-    actor_opt, critic_opt = module.optimizers()
-    return {
-        "lr/actor": float(actor_opt.param_groups[0]["lr"]),
-        "lr/critic": float(critic_opt.param_groups[0]["lr"]),
-    }
+    """``lr/actor`` and ``lr/critic``: each optimizer's current learning rate (first group; no
+    ``lr/critic`` without a critic)."""
+    actor_opt, critic_opt = optimizers_by_network(module)
+    out = {"lr/actor": float(actor_opt.param_groups[0]["lr"])}
+    if critic_opt is not None:
+        out["lr/critic"] = float(critic_opt.param_groups[0]["lr"])
+    return out
 
 
 def memory_statistics(device: torch.device) -> dict[str, float]:

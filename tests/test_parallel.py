@@ -49,6 +49,7 @@ from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.ranks import combine_rank_metrics
 from brace_lightning.rollout.embedded import EmbeddedEngine
+from brace_lightning.targets import GRPO
 from brace_lightning.tasks import ArithmeticReward, ArithmeticTask
 from tests.support.dist_support import one_process_group, spawn_gloo_ranks
 
@@ -403,6 +404,37 @@ def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
     for got, want in zip(reports[0]["metrics"], expected, strict=True):
         for key in ("critic/loss", "actor/grad_norm", "critic/grad_norm", "actor/ratio_mean"):
             assert got[key] == pytest.approx(want[key], rel=1e-5, abs=1e-7), key
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+def test_two_ranks_train_a_critic_free_target_like_one_process(
+    strategy: str, tmp_path: Path
+) -> None:
+    # GRPO's groups (rows 2g, 2g+1) stay whole on a rank, so the group statistics need no
+    # reduction; the sequence-mean aggregation divides by the rows of both ranks. Rank 0 cuts its
+    # rows into more micro-batches than the single process (12-token budget), on packed rows.
+    grpo = ("--target", "GRPO", "--aggregation", "seq_mean_token_mean", "--steps", "2")
+    _driver(tmp_path / "single", "fixed", *grpo)
+    reports = _driver(
+        tmp_path / "two",
+        "fixed",
+        "--strategy",
+        strategy,
+        "--devices",
+        "2",
+        "--max-tokens",
+        "12",
+        "--pack",
+        *grpo,
+    )
+    _assert_ranks_agree(reports)
+    assert reports[0]["sharded"] is (strategy == "fsdp") and reports[0]["policy_version"] == 2
+    single, parallel = _weights(tmp_path / "single"), _weights(tmp_path / "two")
+    assert list(single) == list(parallel) == ["actor"]  # no critic built
+    start = BraceModule(value_target=GRPO(), tiny_hidden_size=64, tiny_num_layers=2)
+    assert _max_diff(single["actor"], dict(start.actor.state_dict())) > 1e-2
+    assert _max_diff(parallel["actor"], single["actor"]) < 1e-5
 
 
 @pytest.mark.slow

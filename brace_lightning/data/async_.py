@@ -57,7 +57,7 @@ from brace_lightning.checks import require_bool, require_int
 from brace_lightning.data.base import COUNTERS, EngineFactory, RolloutDataModuleBase
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, MIB
-from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state
+from brace_lightning.rollout.buffer import StalenessBuffer, batch_from_state, partial_groups
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.rollout.workers import (
     ProducerHandle,
@@ -397,11 +397,10 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             request = RolloutRequest(
                 index=self._granted,
                 prompts=prompts,
-                group_id_offset=self._next_group,
+                group_id_offset=self._group_id_offset(len(prompts)),
                 version=self.trainer_version,
             )
             self._handle.send(("request", request))
-            self._next_group += len(prompts)
             self._granted += 1
 
     # ------------------------------------------------------------------ messages and health
@@ -535,6 +534,8 @@ class AsyncRolloutDataModule(RolloutDataModuleBase):
             **{f"count/{name}": float(value) for name, value in self.counters.items()},
         }
         info.update(self._throughput.hand_out(entered, batch.num_actions))
+        if partial := partial_groups(batch.group_ids, self.samples_per_prompt):
+            info["partial_groups"] = float(partial)
         batch.info.update(info)
         if self._first_return is None:
             self._first_return = time.monotonic()

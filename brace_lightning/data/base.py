@@ -192,6 +192,17 @@ class RolloutDataModuleBase(PublishTarget):
         self._generator.manual_seed(self.seed + trainer.global_rank)
         self._rank_seeded = True
 
+    def _group_id_offset(self, num_prompts: int) -> int:
+        """The ``group_id_offset`` of this rank's next ``num_prompts`` prompts, advancing the
+        count: rank r of W takes the ids ``next + r·P … next + (r+1)·P − 1``, so group ids are
+        unique over ranks and steps. A group never spans ranks (each rank samples its own prompts
+        and all their responses), so the group-relative targets need no reduction over ranks."""
+        trainer = self.trainer
+        rank, world = (0, 1) if trainer is None else (trainer.global_rank, trainer.world_size)
+        offset = self._next_group + rank * num_prompts
+        self._next_group += num_prompts * world
+        return offset
+
     def _gather_rank_states(self, state: dict[str, Any]) -> dict[str, Any]:
         """``state`` as is in a single process; with several ranks ``{"per_rank": [state of rank
         0, ...]}`` (a collective), because Lightning saves only rank 0's copy of the data module's

@@ -26,7 +26,7 @@ import torch
 
 from brace_lightning.checks import require_int
 from brace_lightning.data.base import COUNTERS, EngineFactory, RolloutDataModuleBase
-from brace_lightning.rollout.buffer import split_stale
+from brace_lightning.rollout.buffer import partial_groups, split_stale
 from brace_lightning.rollout.embedded import EmbeddedEngine
 from brace_lightning.rollout.engine import RolloutEngine
 from brace_lightning.rollout.types import RolloutBatch
@@ -227,8 +227,7 @@ class RolloutDataModule(RolloutDataModuleBase):
         """Generate, score and staleness-check one rollout batch."""
         engine = self._ensure_engine()
         prompts = self.task.sample(self.prompts_per_step, self._generator)
-        batch = self.collect(engine, prompts, group_id_offset=self._next_group)
-        self._next_group += len(prompts)
+        batch = self.collect(engine, prompts, group_id_offset=self._group_id_offset(len(prompts)))
         dropped_reward = int(batch.info.get("dropped_reward_error", 0))
         batch, report = split_stale(batch, self.trainer_version, self.max_staleness)
         staleness = report.staleness.float()
@@ -247,4 +246,6 @@ class RolloutDataModule(RolloutDataModuleBase):
                 **{f"count/{name}": float(value) for name, value in self.counters.items()},
             }
         )
+        if partial := partial_groups(batch.group_ids, self.samples_per_prompt):
+            batch.info["partial_groups"] = float(partial)
         return batch

@@ -3,7 +3,8 @@
 Three cases (``docs/fsdp.md``):
 
 - the usual one: the actor loaded (or the tiny model built from ``seed``) and the critic built from
-  it (its backbone copied with ``critic_from_actor``, its value head drawn from ``seed + 1``);
+  it (its backbone copied with ``critic_from_actor``, its value head drawn from ``seed + 1``), or
+  no critic at all for a critic-free value target (``with_critic=False``: GRPO, Dr. GRPO, RLOO);
 - ``fsdp_meta_init`` with a checkpoint folder: both on the meta device; ``configure_model`` later
   reads each rank's shards from the folder's safetensors (nothing is read here);
 - ``fsdp_meta_init`` with a random model: built as usual, its full state kept, then both replaced by
@@ -21,7 +22,11 @@ from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from brace_lightning.models.critic import ValueModel, critic_seed
 from brace_lightning.models.meta_init import empty_models, materialise_and_fill
-from brace_lightning.models.parallelize import mixed_precision_dtypes, parallelize
+from brace_lightning.models.parallelize import (
+    checkpoint_activations,
+    mixed_precision_dtypes,
+    parallelize,
+)
 from brace_lightning.models.policy import recompute_nonpersistent_buffers
 from brace_lightning.models.sources import TINY, load_actor
 
@@ -52,9 +57,20 @@ def build_actor_critic(
     seed: int,
     critic_from_actor: bool,
     meta_init: bool,
-) -> tuple[nn.Module, ValueModel, MetaFill | None]:
-    """``(actor, critic, meta)``: the models in training mode, and with ``meta_init`` what
-    ``configure_model`` fills them from (else None)."""
+    with_critic: bool = True,
+) -> tuple[nn.Module, ValueModel | None, MetaFill | None]:
+    """``(actor, critic, meta)``: the models in training mode (critic None without
+    ``with_critic``), and with ``meta_init`` what ``configure_model`` fills them from (else None)."""
+    if not with_critic:
+        if meta_init:
+            raise ValueError(
+                "fsdp_meta_init=True needs a critic-based value_target (GAE, VTrace, BRACE); got a "
+                "critic-free one: set fsdp_meta_init=False, FSDP2 then shards the actor as built."
+            )
+        policy = load_actor(
+            actor, tokenizer=tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed
+        )
+        return policy.train(), None, None
     if meta_init and actor != TINY:  # a checkpoint folder: nothing is read here
         policy, critic = empty_models(AutoConfig.from_pretrained(actor))
         return policy, critic, MetaFill(actor, None, critic_seed(seed))
@@ -70,9 +86,16 @@ def build_actor_critic(
     return policy.train(), critic.train(), meta
 
 
+def checkpoint_actor_critic(actor: nn.Module, critic: ValueModel | None) -> None:
+    """Activation checkpointing of each transformer block of ``actor`` and ``critic`` (if any)."""
+    for model in (actor, critic):
+        if model is not None:
+            checkpoint_activations(model)
+
+
 def shard_actor_critic(
     actor: nn.Module,
-    critic: ValueModel,
+    critic: ValueModel | None,
     reference: nn.Module | None,
     mesh: DeviceMesh,
     device: torch.device,
@@ -85,15 +108,17 @@ def shard_actor_critic(
     """FSDP2 for the actor, the critic and the frozen ``reference`` policy (sharded like the actor,
     so that capturing it copies shard to shard; no activation checkpointing: no backward), then
     meta-built models allocated and filled from ``meta`` (the reference only allocated: its values
-    come from the actor at the first step, or from the checkpoint) on this rank's ``device``."""
+    come from the actor at the first step, or from the checkpoint) on this rank's ``device``; a
+    critic-free run (``critic`` None) is never meta-built (:func:`build_actor_critic`)."""
     param_dtype, reduce_dtype = mixed_precision_dtypes(mixed_precision, mesh.device_type)
     policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
     for model in (actor, critic):
-        parallelize(model, mesh, activation_checkpointing=activation_checkpointing, **policy)
+        if model is not None:
+            parallelize(model, mesh, activation_checkpointing=activation_checkpointing, **policy)
     if reference is not None:
         parallelize(reference, mesh, **policy)
     if any(p.is_meta for p in actor.parameters()):
-        assert meta is not None  # meta-built only with fsdp_meta_init
+        assert meta is not None and critic is not None  # meta-built only with fsdp_meta_init
         meta.fill(actor, critic, device)
     if reference is not None and any(p.is_meta for p in reference.parameters()):
         reference.to_empty(device=device)

@@ -12,6 +12,13 @@ Rollout batches are numbered in the order the trainer consumes them: batch ``n``
   oldest action token is more than ``S`` versions older than the trainer is dropped and counted, and
   so is a row without actions.
 
+Rows are dropped one by one, so a prompt group (the ``samples_per_prompt`` rows sharing a
+``group_ids`` entry) may lose some of its rows here (or earlier, to a reward timeout). The rule for
+such a **partial group**: its survivors stay, and the group-relative targets compute their baseline
+over the survivors only (a survivor left alone gets advantage 0, ``targets/groups.py``); the data
+modules log how many groups of a batch are partial as ``data/partial_groups``
+(:func:`partial_groups`, logged when not 0).
+
 :func:`batch_to_state` / :func:`batch_from_state` turn a batch into plain tensors and numbers (what
 crosses a process boundary and what a checkpoint loaded with ``torch.load(weights_only=True)``
 accepts). Nothing here starts processes or imports Lightning.
@@ -72,6 +79,12 @@ def split_stale(
         keep &= ~stale
     kept = batch if bool(keep.all()) else batch.select(keep)
     return kept, ConsumeReport(staleness[keep], int(stale.sum()), dropped_empty)
+
+
+def partial_groups(group_ids: torch.Tensor, group_size: int) -> int:
+    """Groups of ``group_ids`` ``[B]`` with fewer than ``group_size`` rows (they lost some)."""
+    _, sizes = torch.unique(group_ids, return_counts=True)
+    return int((sizes < group_size).sum())
 
 
 class StalenessBuffer:

@@ -1,5 +1,9 @@
 """Config classes for the value targets: they carry and validate hyperparameters, then call a kernel.
 
+Critic-based: ``GAE``, ``VTrace``, ``BRACE`` (kernels in ``functional``); critic-free, group-relative:
+``GRPO``, ``DrGRPO``, ``RLOO`` (kernel in ``groups``; ``needs_critic`` is False, so the module builds
+no critic).
+
 Selected in YAML by LightningCLI ``class_path`` (``configs/targets/*.yaml``)::
 
     model:
@@ -10,10 +14,13 @@ Selected in YAML by LightningCLI ``class_path`` (``configs/targets/*.yaml``)::
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from brace_lightning.checks import require_bool
 from brace_lightning.targets import functional as F
+from brace_lightning.targets import groups
 from brace_lightning.targets.functional import ValueTargets
 
 
@@ -38,9 +45,17 @@ class ValueTarget:
         target_logprobs: torch.Tensor,
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
     ) -> ValueTargets:
-        """All inputs ``[B, T]``; see :mod:`brace_lightning.targets.functional` for conventions."""
+        """All inputs ``[B, T]`` but ``group_ids`` ``[B]`` (int64, rows of one prompt share an id;
+        read by the group-relative targets only); see :mod:`brace_lightning.targets.functional`
+        for conventions."""
         raise NotImplementedError
+
+    @property
+    def needs_critic(self) -> bool:
+        """Whether the target reads a critic's values (False: no critic is built or trained)."""
+        return True
 
     def hparams(self) -> dict[str, object]:
         """The hyperparameters, for logging and ``repr``."""
@@ -75,6 +90,7 @@ class GAE(ValueTarget):
         target_logprobs: torch.Tensor,
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
     ) -> ValueTargets:
         return F.gae(rewards, values, mask, gamma=self.gamma, lmbda=self.lmbda)
 
@@ -118,6 +134,7 @@ class VTrace(ValueTarget):
         target_logprobs: torch.Tensor,
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
     ) -> ValueTargets:
         return F.vtrace(
             rewards,
@@ -189,6 +206,7 @@ class BRACE(ValueTarget):
         target_logprobs: torch.Tensor,
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
     ) -> ValueTargets:
         return F.brace(
             rewards,
@@ -205,3 +223,94 @@ class BRACE(ValueTarget):
             log_budget=self.log_budget,
             rho_in_advantage=self.rho_in_advantage,
         )
+
+
+class GroupRelative(ValueTarget):
+    """Base of the critic-free targets: one advantage per response from its prompt group's rewards
+    (:func:`brace_lightning.targets.groups.group_advantages`), at every action of the row.
+
+    The sequence reward is the row's summed per-token reward (the verifier's score, plus any
+    ``kl_mode="reward"`` penalty). ``returns`` is that reward at the row's actions (the Monte-Carlo
+    return, γ = 1), for logging only: no critic regresses it.
+    """
+
+    estimator: groups.Estimator
+
+    def __init__(self, *, eps: float = 1e-4, baseline_rho_bar: float | None = None) -> None:
+        """
+        Args:
+            eps: added to GRPO's group std (TRL's 1e-4); unused by DrGRPO and RLOO.
+            baseline_rho_bar: None (default): the baseline is the group's plain mean (over µ's
+                samples). A number ρ̄ > 0: the self-normalised importance-weighted baseline, with
+                sequence weights min(ρ̄, π(y)/µ(y)) (the off-policy correction of stale groups;
+                ``targets/groups.py``).
+        """
+        if not isinstance(eps, int | float) or isinstance(eps, bool) or not 0.0 <= eps < 1.0:
+            raise ValueError(f"eps must be a number in [0, 1); got {eps!r}.")
+        if baseline_rho_bar is not None and (
+            not isinstance(baseline_rho_bar, int | float)
+            or isinstance(baseline_rho_bar, bool)
+            or not 0.0 < baseline_rho_bar < math.inf
+        ):
+            raise ValueError(
+                f"baseline_rho_bar must be None or a positive finite number; got "
+                f"{baseline_rho_bar!r}."
+            )
+        self.eps = eps
+        self.baseline_rho_bar = baseline_rho_bar
+
+    @property
+    def needs_critic(self) -> bool:
+        return False
+
+    @property
+    def uses_importance_weights(self) -> bool:  # type: ignore[override]
+        return self.baseline_rho_bar is not None
+
+    def __call__(
+        self,
+        *,
+        rewards: torch.Tensor,
+        values: torch.Tensor,
+        target_logprobs: torch.Tensor,
+        behavior_logprobs: torch.Tensor,
+        mask: torch.Tensor,
+        group_ids: torch.Tensor | None = None,
+    ) -> ValueTargets:
+        if group_ids is None:
+            raise ValueError(
+                f"group_ids must be given to {type(self).__name__} (a [B] int64 tensor of prompt "
+                "groups); got None."
+            )
+        sequence_rewards = torch.where(mask, rewards, 0.0).sum(dim=1)
+        weights = None
+        if self.baseline_rho_bar is not None:
+            weights = groups.sequence_weights(
+                target_logprobs, behavior_logprobs, mask, group_ids, self.baseline_rho_bar
+            )
+        advantages = groups.group_advantages(
+            sequence_rewards, group_ids, self.estimator, eps=self.eps, weights=weights
+        )
+        return ValueTargets(
+            groups.broadcast_to_actions(advantages, mask),
+            groups.broadcast_to_actions(sequence_rewards, mask),
+        )
+
+
+class GRPO(GroupRelative):
+    """GRPO: (r − group mean) / (group std + eps), std unbiased as TRL's ``GRPOTrainer``."""
+
+    estimator = "GRPO"
+
+
+class DrGRPO(GroupRelative):
+    """Dr. GRPO: r − group mean (no std division); pair it with ``loss_aggregation:
+    seq_mean_token_sum`` and a ``loss_max_len``, the aggregation the paper prescribes."""
+
+    estimator = "DrGRPO"
+
+
+class RLOO(GroupRelative):
+    """RLOO: r − the mean of the group's other responses (leave-one-out baseline)."""
+
+    estimator = "RLOO"

@@ -33,6 +33,7 @@ from brace_lightning.data import PublishTarget
 from brace_lightning.models.parallelize import full_state_dict, is_sharded
 from brace_lightning.module import BraceModule
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.targets import GRPO
 
 ROWS = 8
 WIDTH = 14
@@ -188,7 +189,11 @@ def run_fixed(args: argparse.Namespace) -> None:
         strategy = "ddp_find_unused_parameters_true"
     else:
         strategy = "auto"
+    # --target GRPO: critic-free (groups of 2 rows, each on one rank); no meta init without a critic.
+    critic_free = {"value_target": GRPO()} if args.target == "GRPO" else {}
     module = BraceModule(
+        **critic_free,
+        loss_aggregation=args.aggregation,
         tiny_hidden_size=64,
         tiny_num_layers=2,
         critic_warmup_steps=0,
@@ -202,7 +207,7 @@ def run_fixed(args: argparse.Namespace) -> None:
         activation_checkpointing=args.activation_checkpointing,
         # FSDP runs build on the meta device and fill each rank's shards; the tests compare them
         # with single processes built the usual way.
-        fsdp_meta_init=args.strategy == "fsdp",
+        fsdp_meta_init=args.strategy == "fsdp" and not critic_free,
     )
     callbacks: list[pl.Callback] = [RankReport(args.out)]
     if args.stop_after:
@@ -250,6 +255,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--pack", action="store_true", help="BraceModule(pack_sequences=True)")
     parser.add_argument("--stop-after", type=int, default=0)
+    parser.add_argument("--target", choices=["BRACE", "GRPO"], default="BRACE")
+    parser.add_argument("--aggregation", default="token_mean", help="BraceModule(loss_aggregation)")
     parser.add_argument("--resume", type=str, default=None)
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
