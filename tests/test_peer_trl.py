@@ -26,9 +26,12 @@ from brace_lightning.objectives import PPOClip
 from brace_lightning.objectives.aggregation import aggregate
 from brace_lightning.targets import GRPO, DrGRPO
 
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("trl") is None, reason="trl is not installed (the peers extra)"
-)
+pytestmark = [
+    pytest.mark.slow,  # TRL's import and trainer: about 20 s
+    pytest.mark.skipif(
+        importlib.util.find_spec("trl") is None, reason="trl is not installed (the peers extra)"
+    ),
+]
 
 PROMPTS = ["3+4=", "7+1=", "2+9="]
 GROUP = 4  # samples per prompt (TRL's num_generations)
