@@ -99,6 +99,8 @@ BENCHMARK_PARSE_ONLY = {
     "runs a 2-cell map, its resume, table and figure",
     "gpu_check": "vLLM's start alone takes a minute on CPU; tests/test_vllm.py asserts the log-prob "
     "gaps it prints",
+    "peer_trainers": "a warm start and a spawned process per arm: about two minutes at 2 steps; "
+    "tests/benchmarks/test_peer_trainers.py runs every arm briefly",
 }
 # Scripts replaced by a stand-in in the working directory (see the module docstring).
 SETUP_SCRIPTS = ("setup.sh", "install_vllm.sh")
@@ -328,7 +330,7 @@ def run_quickstart_script(line: str, workdir: Path) -> None:
     (fit,) = [s for s in _script_commands(script) if re.match(PROGRAM + r" fit ", s)]
     assert fit.endswith('"$@"'), f"{fit!r} does not pass the script's arguments on"
     assert "bash scripts/setup.sh" in _script_commands(script)
-    assert 'EXTRAS="dev,bench" bash scripts/setup.sh' in _script_commands(
+    assert 'EXTRAS="dev,bench,peers" bash scripts/setup.sh' in _script_commands(
         (REPO / "scripts" / "test.sh").read_text()
     )
     before = _event_files(workdir)
@@ -348,13 +350,18 @@ def check_test_script(line: str, workdir: Path) -> None:
     assert line in _script_commands((REPO / ".ci" / "run").read_text())
     commands = _script_commands((REPO / "scripts" / "test.sh").read_text())
     assert commands[0] == "set -euo pipefail"
-    assert 'EXTRAS="dev,bench" bash scripts/setup.sh' in commands
+    assert 'EXTRAS="dev,bench,peers" bash scripts/setup.sh' in commands
     (pytest_line,) = [c for c in commands if "pytest" in c]
     words = _words(pytest_line)
     assert words[:4] == [".venv/bin/python", "-m", "pytest", "tests"], pytest_line
     assert not {"-m", "-k", "--ignore", "--deselect"} & set(words[4:]), pytest_line
     pyproject = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert pyproject["tool"]["pytest"]["ini_options"]["testpaths"] == ["tests"]
+    # The peer trainer (TRL) is an extra the test command installs, never a dependency.
+    assert pyproject["project"]["optional-dependencies"]["peers"] == ["trl==1.16.0"]
+    assert not any(d.startswith("trl") for d in pyproject["project"]["dependencies"])
+    pins = (REPO / "constraints" / "tested.txt").read_text().splitlines()
+    assert "trl==1.16.0" in pins and any(p.startswith("accelerate==") for p in pins)
     assert Path(__file__).parent == REPO / "tests"
 
 
