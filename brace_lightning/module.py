@@ -44,14 +44,11 @@ from brace_lightning.models.build import build_actor_critic, shard_actor_critic
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_logprobs, require_finite_loss
+from brace_lightning.models.lora import LoraSettings
 from brace_lightning.models.microbatch import MicroBatch, widen
 from brace_lightning.models.parallelize import checkpoint_activations
 from brace_lightning.models.sources import TINY, load_tokenizer
-from brace_lightning.models.weight_sync import (
-    DEFAULT_BUCKET_MB,
-    bucket_bytes_from_mb,
-    drain,
-)
+from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, bucket_bytes_from_mb, drain
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import kl_to_reference
 from brace_lightning.optim import adamw, clipped_step, schedulers_by_network
@@ -114,6 +111,7 @@ class BraceModule(pl.LightningModule):
         kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
+        lora: LoRA adapters, only they trained (``docs/lora.md``); None (default): full weights.
     """
 
     def __init__(
@@ -149,6 +147,7 @@ class BraceModule(pl.LightningModule):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_mode: str = "loss",
+        lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
         quiet_lightning()  # tips and dataloader_iter notes, also for Python-API users (console.py)
@@ -159,7 +158,7 @@ class BraceModule(pl.LightningModule):
         critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
         check_ewma_support(actor_objective.ewma_decay, fsdp_meta_init=fsdp_meta_init)
         self.save_hyperparameters()
-        save_component_configs(self, ("value_target", "actor_objective", "critic_loss"))
+        save_component_configs(self, ("value_target", "actor_objective", "critic_loss", "lora"))
         self.seed = seed = run_seed(seed)  # hparams keep None: the seed follows seed_everything
         self.automatic_optimization = False
         self.value_target = value_target
@@ -194,6 +193,7 @@ class BraceModule(pl.LightningModule):
             seed=seed,
             critic_from_actor=critic_from_actor,
             meta_init=fsdp_meta_init,
+            lora=lora,
         )
         self.ewma: EwmaPolicy | None = None
         if actor_objective.ewma_decay is not None:
@@ -256,8 +256,8 @@ class BraceModule(pl.LightningModule):
         self.scorer.prepare(self.actor, self.critic, copies)
 
     def configure_optimizers(self) -> Any:
-        actor_opt = self._optimizers[0](self.actor.parameters())
-        critic_opt = self._optimizers[1](self.critic.parameters())
+        actor_opt = self._optimizers[0](p for p in self.actor.parameters() if p.requires_grad)
+        critic_opt = self._optimizers[1](p for p in self.critic.parameters() if p.requires_grad)
         schedulers = [
             {"scheduler": factory(opt), "interval": "step"}
             for opt, factory in zip((actor_opt, critic_opt), self._schedulers, strict=True)

@@ -8,6 +8,10 @@ Three cases (``docs/fsdp.md``):
   reads each rank's shards from the folder's safetensors (nothing is read here);
 - ``fsdp_meta_init`` with a random model: built as usual, its full state kept, then both replaced by
   meta-device models, so that the sharded run starts from exactly the usual construction's values.
+
+With ``lora`` (``models/lora.py``) the actor, and with ``lora.critic`` the critic's backbone, get
+adapters after the critic is built (so the critic copies the plain backbone); LoRA is refused with
+``fsdp_meta_init`` and with FSDP2.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from brace_lightning.models.critic import ValueModel, critic_seed
+from brace_lightning.models.lora import LoraSettings, add_adapters, refuse_sharding
 from brace_lightning.models.meta_init import empty_models, materialise_and_fill
 from brace_lightning.models.parallelize import mixed_precision_dtypes, parallelize
 from brace_lightning.models.policy import recompute_nonpersistent_buffers
@@ -52,9 +57,16 @@ def build_actor_critic(
     seed: int,
     critic_from_actor: bool,
     meta_init: bool,
+    lora: LoraSettings | dict | None = None,
 ) -> tuple[nn.Module, ValueModel, MetaFill | None]:
     """``(actor, critic, meta)``: the models in training mode, and with ``meta_init`` what
-    ``configure_model`` fills them from (else None)."""
+    ``configure_model`` fills them from (else None). ``lora`` (settings or their saved dict) adds
+    adapters whose ``lora_A`` is drawn from ``seed`` (actor) and ``seed + 1`` (critic)."""
+    lora = LoraSettings.coerce(lora)
+    if lora is not None and meta_init:
+        raise ValueError(
+            "model.lora is not supported with fsdp_meta_init=True (FSDP2); set one of them off."
+        )
     if meta_init and actor != TINY:  # a checkpoint folder: nothing is read here
         policy, critic = empty_models(AutoConfig.from_pretrained(actor))
         return policy, critic, MetaFill(actor, None, critic_seed(seed))
@@ -62,6 +74,10 @@ def build_actor_critic(
         actor, tokenizer=tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed
     )
     critic = ValueModel.from_actor(policy, copy_weights=critic_from_actor, seed=critic_seed(seed))
+    if lora is not None:
+        add_adapters(policy, lora, seed=seed)
+        if lora.critic:
+            add_adapters(critic.backbone, lora, seed=critic_seed(seed))
     meta = None
     if meta_init:  # random: the usual construction's exact values, sliced later
         meta = MetaFill(None, (policy.state_dict(), critic.state_dict()), critic_seed(seed))
@@ -85,7 +101,9 @@ def shard_actor_critic(
     """FSDP2 for the actor, the critic and the frozen ``reference`` policy (sharded like the actor,
     so that capturing it copies shard to shard; no activation checkpointing: no backward), then
     meta-built models allocated and filled from ``meta`` (the reference only allocated: its values
-    come from the actor at the first step, or from the checkpoint) on this rank's ``device``."""
+    come from the actor at the first step, or from the checkpoint) on this rank's ``device``.
+    LoRA models are refused (one sentence)."""
+    refuse_sharding(actor, critic)
     param_dtype, reduce_dtype = mixed_precision_dtypes(mixed_precision, mesh.device_type)
     policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
     for model in (actor, critic):
