@@ -381,4 +381,5 @@ def main(args: list[str] | None = None) -> None:
         )
     except ValueError as error:
         parser.error(str(error))
-    print(f"exported {config.ckpt_path} to {out}/actor and {out}/critic")
+    adapter = f" (adapter: {out}/{ADAPTER_FOLDER})" if config.adapter else ""
+    print(f"exported {config.ckpt_path} to {out}/actor and {out}/critic{adapter}")
