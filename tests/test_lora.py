@@ -22,12 +22,19 @@ from transformers import AutoModelForCausalLM
 from brace_lightning.cli import run
 from brace_lightning.data import PublishTarget
 from brace_lightning.export import ADAPTER_FOLDER, export_checkpoint, load_exported_critic
-from brace_lightning.models.lora import LoraSettings, add_adapters, has_adapters
+from brace_lightning.models.lora import (
+    LoraSettings,
+    add_adapters,
+    has_adapters,
+    load_base_weights,
+    merged_state_dict,
+)
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.models.sources import load_actor, load_tokenizer
 from brace_lightning.module import BraceModule
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.warmstart import copy_backbone_to_critic
 from tests.test_kl_reference import OneBatch, fixed_batch, mesh  # noqa: F401 (fixture)
 from tests.test_parallel import _assert_ranks_agree, _cli, _driver
 from tests.test_trainer import CONFIGS, small_run
@@ -371,3 +378,22 @@ def test_ddp_with_lora_ranks_agree(tmp_path: Path) -> None:
     reports = _driver(tmp_path / "run", *_cli(tmp_path, "ddp/cpu_2proc.yaml", "lora.yaml", steps=2))
     _assert_ranks_agree(reports)
     assert reports[0]["policy_version"] == 2
+
+
+@pytest.mark.parametrize("critic", [False, True])
+def test_the_warm_start_copies_the_merged_actor_backbone_into_the_critic(critic: bool) -> None:
+    module = BraceModule(**TINY, lora=LoraSettings(rank=4, alpha=8.0, critic=critic))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in module.actor.named_parameters():
+            if ".lora_B." in name:  # as if the warm start had trained the adapters
+                param.copy_(torch.randn(param.shape, generator=g) * 0.1)
+    copy_backbone_to_critic(module.actor, module.critic, seed=1)
+    want = merged_state_dict(module.actor.base_model)
+    got = merged_state_dict(module.critic.backbone)
+    assert set(got) == set(want)
+    for name, tensor in want.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6, msg=name)
+    assert has_adapters(module.critic.backbone) == critic
+    with pytest.raises(ValueError, match="^load_base_weights got 1 tensors for"):
+        load_base_weights(module.actor, {"lm_head.weight": module.actor.lm_head.weight})

@@ -183,6 +183,33 @@ def merged_state_dict(model: nn.Module, *, adapters: bool = True) -> dict[str, t
     return merged
 
 
+@torch.no_grad()
+def load_base_weights(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``state`` (plain names, e.g. another model's :func:`merged_state_dict`) into
+    ``model``: with adapters into their ``base_layer`` weights, the adapters left as they are;
+    without, ``model.load_state_dict(state)`` (strict in both cases).
+
+    Raises:
+        ValueError: ``state``'s names differ from ``model``'s plain names.
+    """
+    if not has_adapters(model):
+        model.load_state_dict(state)
+        return
+    targets = {
+        key.replace(".base_layer.", "."): tensor
+        for key, tensor in model.state_dict().items()
+        if ".lora_A." not in key and ".lora_B." not in key
+    }
+    if set(targets) != set(state):
+        raise ValueError(
+            f"load_base_weights got {len(state)} tensors for {type(model).__name__}'s "
+            f"{len(targets)} base weights ({len(set(targets) ^ set(state))} names differ); "
+            "expected the state dict of the same architecture."
+        )
+    for name, tensor in targets.items():
+        tensor.copy_(state[name])
+
+
 def merged_copy(model: PreTrainedModel, *, adapters: bool = True) -> PreTrainedModel:
     """A plain model of ``model``'s config (no peft layers) holding its merged weights (with
     ``adapters=False`` its base weights), on its device and in eval mode: what the engines
