@@ -324,13 +324,27 @@ def test_target_modules_choose_the_adapted_layers() -> None:
 
 def test_a_missing_peft_is_one_sentence_with_the_install_hint(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft raises ImportError
-    with pytest.raises(ImportError) as info:
+    with pytest.raises(ValueError) as info:
         BraceModule(**TINY, lora=LORA)
+    assert isinstance(info.value.__cause__, ImportError)
     assert str(info.value) == (
         "model.lora needs the `peft` package: pip install -e '.[lora]' (or pip install "
         "'peft>=0.21'), or leave model.lora unset."
     )
     assert BraceModule(**TINY).actor is not None  # without LoRA peft is never imported
+
+
+def test_a_missing_peft_on_the_command_line_is_one_error_line(
+    monkeypatch, tmp_path: Path, capsys
+) -> None:
+    monkeypatch.setitem(sys.modules, "peft", None)
+    with pytest.raises(SystemExit) as info:
+        run(small_run(tmp_path, "--config", str(CONFIGS / "lora.yaml")))
+    assert info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "error: model.lora needs the `peft` package: pip install -e '.[lora]' (or pip install "
+        "'peft>=0.21'), or leave model.lora unset."
+    )
 
 
 def test_fsdp2_and_its_meta_init_refuse_lora_in_one_sentence(mesh: DeviceMesh) -> None:  # noqa: F811

@@ -38,11 +38,12 @@ ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 
 
 def _require_peft() -> Any:
-    """The ``peft`` module, or one sentence with the install hint."""
+    """The ``peft`` module, or one sentence with the install hint (a ValueError, so that the CLI
+    prints it as its one-line error; the ImportError is its cause)."""
     try:
         import peft
     except ImportError as error:
-        raise ImportError(
+        raise ValueError(
             "model.lora needs the `peft` package: pip install -e '.[lora]' (or pip install "
             "'peft>=0.21'), or leave model.lora unset."
         ) from error
