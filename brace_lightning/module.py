@@ -111,7 +111,7 @@ class BraceModule(pl.LightningModule):
         kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
-        lora: LoRA adapters, only they trained (``docs/lora.md``); None (default): full weights.
+        lora: LoRA adapters, the only weights trained (``docs/lora.md``); None (default): all.
     """
 
     def __init__(

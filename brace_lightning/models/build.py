@@ -17,6 +17,7 @@ adapters after the critic is built (so the critic copies the plain backbone); Lo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,7 +58,7 @@ def build_actor_critic(
     seed: int,
     critic_from_actor: bool,
     meta_init: bool,
-    lora: LoraSettings | dict | None = None,
+    lora: LoraSettings | dict[str, Any] | None = None,
 ) -> tuple[nn.Module, ValueModel, MetaFill | None]:
     """``(actor, critic, meta)``: the models in training mode, and with ``meta_init`` what
     ``configure_model`` fills them from (else None). ``lora`` (settings or their saved dict) adds
