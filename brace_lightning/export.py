@@ -8,6 +8,12 @@
   with :func:`load_exported_critic`. A run with a critic-free value target (GRPO, Dr. GRPO, RLOO)
   has no critic: only ``DIR/actor`` is written.
 
+A LoRA run's models (``model.lora``, ``models/lora.py``) are written with merged weights under the
+base model's names, plain Hugging Face folders like any other. With ``--adapter`` the actor is
+written as its base model (``DIR/actor``) plus the adapter in peft's layout (``DIR/actor_adapter``:
+``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(DIR/actor), DIR/actor_adapter)``);
+the critic is merged either way.
+
 ``DIR`` must be new or empty unless ``--overwrite`` is given, which replaces it whole. The export is
 written into a temporary folder beside ``DIR`` and renamed into place when complete, so a failed
 export leaves nothing behind and no file of an earlier export (a stale ``chat_template.jinja``)
@@ -52,6 +58,14 @@ from transformers import AutoConfig, AutoModel, PreTrainedModel, PreTrainedToken
 from brace_lightning.checkpoints import LIGHTNING_KEYS, load_checkpoint
 from brace_lightning.hparams import from_config
 from brace_lightning.models.critic import ValueModel
+from brace_lightning.models.lora import (
+    LoraSettings,
+    add_adapters,
+    has_adapters,
+    merged_copy,
+    merged_critic_copy,
+    save_adapter,
+)
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.sources import TINY, load_actor, load_tokenizer
 from brace_lightning.models.weight_sync import (
@@ -63,6 +77,8 @@ from brace_lightning.models.weight_sync import (
 from brace_lightning.targets import ValueTarget
 
 VALUE_HEAD_FILE = "value_head.safetensors"
+#: ``export --adapter``'s folder of the actor's LoRA adapter, beside ``actor`` (its base model).
+ADAPTER_FOLDER = "actor_adapter"
 #: What ``export`` needs of a checkpoint besides Lightning's keys: the run's hyperparameters.
 EXPORT_KEYS = (*LIGHTNING_KEYS, "hyper_parameters")
 
@@ -88,7 +104,8 @@ def build_skeleton(
     hparams: dict[str, Any],
 ) -> tuple[PreTrainedModel, ValueModel | None, PreTrainedTokenizerBase]:
     """Actor, critic (None for a critic-free run) and tokenizer with the run's architecture
-    (random weights, to be filled)."""
+    (random weights, to be filled), with the run's LoRA adapters if it had any (so the
+    checkpoint's names fit)."""
     source = hparams.get("actor", TINY)
     tokenizer = load_tokenizer(source)
     if source == TINY:
@@ -101,6 +118,11 @@ def build_skeleton(
     else:
         actor = load_causal_lm(AutoConfig.from_pretrained(source), seed=0)  # no weights read
     critic = ValueModel.from_config(actor.config, seed=0) if has_critic(hparams) else None
+    lora = LoraSettings.coerce(hparams.get("lora"))
+    if lora is not None:
+        add_adapters(actor, lora, seed=0)
+        if lora.critic and critic is not None:
+            add_adapters(critic.backbone, lora, seed=0)
     return actor, critic, tokenizer
 
 
@@ -252,11 +274,14 @@ def save_hf_folders(
     return out
 
 
-def export_checkpoint(ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False) -> Path:
+def export_checkpoint(
+    ckpt_path: str | Path, out: str | Path, *, overwrite: bool = False, adapter: bool = False
+) -> Path:
     """Export a checkpoint (file or sharded folder) to Hugging Face folders; returns ``out``.
 
     ``out`` must be new or an empty folder unless ``overwrite``, which replaces it whole; it appears
-    only when the export is complete (written beside it, then renamed).
+    only when the export is complete (written beside it, then renamed). A LoRA run's models are
+    merged; ``adapter`` writes its actor as base model plus adapter folder (module docstring).
 
     Raises:
         ValueError: one sentence for a target it may not write, or a checkpoint that is missing,
@@ -265,7 +290,14 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, *, overwrite: bool
     path = Path(ckpt_path)
     out = check_export_target(out, overwrite=overwrite)
     checkpoint = load_checkpoint(path, required=EXPORT_KEYS)
-    actor, critic, tokenizer = build_skeleton(_unwrap_hparams(checkpoint["hyper_parameters"]))
+    hparams = _unwrap_hparams(checkpoint["hyper_parameters"])
+    lora = LoraSettings.coerce(hparams.get("lora"))
+    if adapter and lora is None:
+        raise ValueError(
+            f"adapter=True needs the checkpoint of a LoRA run (model.lora set); "
+            f"ckpt_path={str(path)!r} has none."
+        )
+    actor, critic, tokenizer = build_skeleton(hparams)
     target = {f"actor.{k}": v for k, v in actor.state_dict().items()}
     if critic is not None:
         target |= {f"critic.{k}": v for k, v in critic.state_dict().items()}
@@ -274,7 +306,16 @@ def export_checkpoint(ckpt_path: str | Path, out: str | Path, *, overwrite: bool
     if critic is not None:
         critic.load_state_dict(_split(state, "critic."))
     with _staged(out) as staging:
-        save_hf_folders(actor, critic, tokenizer, staging)
+        if lora is None:
+            save_hf_folders(actor, critic, tokenizer, staging)
+        else:
+            plain = merged_copy(actor, adapters=not adapter)
+            save_hf_folders(plain, merged_critic_copy(critic), tokenizer, staging)
+        if adapter:
+            assert lora is not None
+            source = hparams.get("actor", TINY)
+            base = None if source == TINY else str(source)
+            save_adapter(actor, lora, staging / ADAPTER_FOLDER, base_model=base)
     return out
 
 
@@ -310,6 +351,8 @@ class ExportOnFitEnd(pl.Callback):
 
     def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         actor, critic = pl_module.actor, pl_module.critic  # type: ignore[attr-defined]
+        if has_adapters(actor) or has_adapters(critic):  # LoRA: never sharded, written merged
+            actor, critic = merged_copy(actor), merged_critic_copy(critic)
         # Collectives: gathered on global rank 0 only, bucket by bucket; the other ranks hold at
         # most their part of one bucket (models/weight_sync.py).
         bucket_bytes = module_bucket_bytes(pl_module) or DEFAULT_BUCKET_MB * MIB
@@ -331,7 +374,7 @@ class ExportOnFitEnd(pl.Callback):
 
 
 def main(args: list[str] | None = None) -> None:
-    """``brace-lightning export --ckpt_path CKPT --out DIR [--overwrite]``."""
+    """``brace-lightning export --ckpt_path CKPT --out DIR [--overwrite] [--adapter]``."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(
@@ -345,9 +388,17 @@ def main(args: list[str] | None = None) -> None:
         "--out", type=str, required=True, help="output folder (actor/, critic/), new or empty"
     )
     parser.add_argument("--overwrite", action="store_true", help="replace --out whole if it exists")
+    parser.add_argument(
+        "--adapter",
+        action="store_true",
+        help=f"a LoRA run's actor as base model (actor/) plus adapter ({ADAPTER_FOLDER}/)",
+    )
     config = parser.parse_args(args)
     try:
-        out = export_checkpoint(config.ckpt_path, config.out, overwrite=config.overwrite)
+        out = export_checkpoint(
+            config.ckpt_path, config.out, overwrite=config.overwrite, adapter=config.adapter
+        )
     except ValueError as error:
         parser.error(str(error))
-    print(f"exported {config.ckpt_path} to {out}/actor and {out}/critic")
+    adapter = f" (adapter: {out}/{ADAPTER_FOLDER})" if config.adapter else ""
+    print(f"exported {config.ckpt_path} to {out}/actor and {out}/critic{adapter}")

@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from brace_lightning.checks import require_bool, require_int
+from brace_lightning.models.lora import LoraSettings
 from brace_lightning.models.parallelize import mixed_precision_dtypes
 from brace_lightning.models.weight_sync import bucket_bytes_from_mb
 from brace_lightning.objectives.aggregation import check_mode
@@ -50,15 +51,21 @@ def to_config(obj: object) -> dict[str, Any]:
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
 
 
+#: The module's arguments saved as class_path + init_args configs (or, for ``lora``, a dict).
+COMPONENTS = ("value_target", "actor_objective", "critic_loss", "actor_step_size", "lora")
+
+
 def save_component_configs(module: pl.LightningModule, names: tuple[str, ...]) -> None:
     """Save the component objects among ``module``'s hyperparameters ``names`` as the configs
-    LightningCLI writes (one built by LightningCLI already holds dicts)."""
-    objects = {
-        name: to_config(module.hparams[name])
-        for name in names
-        # built in Python, not by LightningCLI; an optional component may be None
-        if module.hparams[name] is not None and not isinstance(module.hparams[name], dict)
-    }
+    LightningCLI writes (one built by LightningCLI already holds dicts); ``LoraSettings`` (a
+    dataclass, which LightningCLI instantiates) as the dictionary of its fields; None stays."""
+    objects = {}
+    for name in names:
+        value = module.hparams[name]
+        if isinstance(value, LoraSettings):
+            objects[name] = value.to_dict()
+        elif not isinstance(value, dict | None):  # built in Python, not by LightningCLI
+            objects[name] = to_config(value)
     if objects:
         module.save_hyperparameters(objects)
 

@@ -35,6 +35,7 @@ from brace_lightning.data.resume import RECORD_KEY, check_same_data_module, data
 from brace_lightning.equal_rewards import EqualRewards
 from brace_lightning.evaluation import log_evaluation_batch
 from brace_lightning.hparams import (
+    COMPONENTS,
     check_ewma_support,
     check_module_arguments,
     from_config,
@@ -42,15 +43,11 @@ from brace_lightning.hparams import (
     save_component_configs,
 )
 from brace_lightning.metrics import HorizonBeta, critic_scores
-from brace_lightning.models.build import (
-    build_actor_critic,
-    checkpoint_actor_critic,
-    refuse_meta_init_without_fsdp,
-    shard_actor_critic,
-)
+from brace_lightning.models import build
 from brace_lightning.models.copies import EwmaPolicy, ReferencePolicy, upgrade_checkpoint_keys
 from brace_lightning.models.handoff import ActorHandoff
 from brace_lightning.models.health import require_finite_logprobs, require_finite_loss
+from brace_lightning.models.lora import LoraSettings
 from brace_lightning.models.microbatch import MicroBatch, widen
 from brace_lightning.models.sources import TINY, load_tokenizer
 from brace_lightning.models.weight_sync import DEFAULT_BUCKET_MB, bucket_bytes_from_mb, drain
@@ -117,6 +114,7 @@ class BraceModule(pl.LightningModule):
         loss_aggregation: the actor loss over the step's tokens: ``"token_mean"`` (default),
             ``"seq_mean_token_sum"``, ``"seq_mean_token_mean"`` (``objectives/aggregation.py``).
         loss_max_len: ``seq_mean_token_sum``'s constant divisor L (Dr. GRPO; None: 1).
+        lora: LoRA adapters, the only weights trained (``docs/lora.md``); None (default): all.
     """
 
     def __init__(
@@ -156,6 +154,7 @@ class BraceModule(pl.LightningModule):
         log_version_drift: bool = False,
         loss_aggregation: str = "token_mean",
         loss_max_len: int | None = None,
+        lora: LoraSettings | None = None,
     ) -> None:
         super().__init__()
         quiet_lightning()  # tips and dataloader_iter notes, also for Python-API users (console.py)
@@ -168,14 +167,11 @@ class BraceModule(pl.LightningModule):
             actor_step_size = from_config(actor_step_size, ESSAdaptiveStepSize, "actor_step_size")
         check_ewma_support(actor_objective.ewma_decay, fsdp_meta_init=fsdp_meta_init)
         self.save_hyperparameters()
-        save_component_configs(
-            self, ("value_target", "actor_objective", "critic_loss", "actor_step_size")
-        )
+        save_component_configs(self, COMPONENTS)
         self.seed = seed = run_seed(seed)  # hparams keep None: the seed follows seed_everything
         self.automatic_optimization = False
         self.value_target = value_target
-        self.actor_objective = actor_objective
-        self.critic_loss = critic_loss
+        self.actor_objective, self.critic_loss = actor_objective, critic_loss
         self._optimizers = optim.with_defaults(actor_optimizer, critic_optimizer)
         self._schedulers = (actor_scheduler, critic_scheduler)
         self.ppo_epochs, self.num_minibatches = ppo_epochs, num_minibatches
@@ -196,7 +192,7 @@ class BraceModule(pl.LightningModule):
         self.actor_step_size, self.log_version_drift = actor_step_size, log_version_drift
         self.aggregation = LossAggregation(loss_aggregation, loss_max_len)
         self.tokenizer = load_tokenizer(actor)
-        self.actor, self.critic, self._meta = build_actor_critic(
+        self.actor, self.critic, self._meta = build.build_actor_critic(
             actor,
             tokenizer=self.tokenizer,
             hidden_size=tiny_hidden_size,
@@ -205,6 +201,7 @@ class BraceModule(pl.LightningModule):
             critic_from_actor=critic_from_actor,
             meta_init=fsdp_meta_init,
             with_critic=value_target.needs_critic,
+            lora=lora,
         )
         decay = actor_objective.ewma_decay
         self.ewma = None if decay is None else EwmaPolicy(self.actor, decay)
@@ -240,12 +237,12 @@ class BraceModule(pl.LightningModule):
         packing once (``Scorer.prepare``). Idempotent: Lightning may call it more than once."""
         trainer = self._trainer
         if trainer is None or not isinstance(trainer.strategy, ModelParallelStrategy):
-            refuse_meta_init_without_fsdp(trainer, bool(self.hparams.get("fsdp_meta_init")))
+            build.refuse_meta_init_without_fsdp(trainer, bool(self.hparams.get("fsdp_meta_init")))
             if self.activation_checkpointing:
-                checkpoint_actor_critic(self.actor, self.critic)
+                build.checkpoint_actor_critic(self.actor, self.critic)
         else:
             check_ewma_support(self.actor_objective.ewma_decay, fsdp=True)
-            shard_actor_critic(
+            build.shard_actor_critic(
                 self.actor,
                 self.critic,
                 None if self.reference is None else self.reference.policy,

@@ -84,7 +84,11 @@ def configure_optimizers(
     ``optimizers`` factories (the actor's only when ``critic`` is None) and their step-wise
     schedulers from the ``schedulers`` factories (None: no scheduler)."""
     networks = (actor,) if critic is None else (actor, critic)
-    opts = [factory(net.parameters()) for factory, net in zip(optimizers, networks, strict=False)]
+    # Only trainable parameters: with LoRA (models/lora.py) the frozen base is left out.
+    opts = [
+        factory(p for p in net.parameters() if p.requires_grad)
+        for factory, net in zip(optimizers, networks, strict=False)
+    ]
     scheduled = [
         {"scheduler": factory(opt), "interval": "step"}
         for opt, factory in zip(opts, schedulers, strict=False)

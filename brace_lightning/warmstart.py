@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 from transformers import PreTrainedTokenizerBase
 
 from brace_lightning.models.critic import ValueModel, init_value_head
+from brace_lightning.models.lora import load_base_weights, merged_state_dict
 from brace_lightning.tasks.base import Prompt, encode_prompt
 
 IGNORE_INDEX = -100
@@ -168,7 +169,8 @@ def copy_backbone_to_critic(
             f"copy_backbone_to_critic got actor of type {type(actor).__name__}; expected a causal "
             "LM whose .base_model is its backbone."
         )
-    critic.backbone.load_state_dict(base.state_dict())
+    # LoRA (models/lora.py): the merged backbone, into a LoRA critic's base weights.
+    load_base_weights(critic.backbone, merged_state_dict(base))
     head = critic.value_head
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

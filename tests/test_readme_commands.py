@@ -197,10 +197,17 @@ def _size_args(line: str) -> list[str]:
 
 
 def _checkpoint_dirs(line: str) -> set[Path]:
+    """The ``dirpath`` of the line's ModelCheckpoint callbacks; a command-line
+    ``--trainer.callbacks.init_args.dirpath`` replaces the last callback's (docs/lora.md)."""
+    words = _words(line)
+    callbacks = [dict(c, init_args=dict(c.get("init_args") or {})) for c in _callbacks(words)]
+    overrides = _option(words, "--trainer.callbacks.init_args.dirpath")
+    if overrides and callbacks:
+        callbacks[-1]["init_args"]["dirpath"] = overrides[-1]
     return {
         Path(c["init_args"]["dirpath"])
-        for c in _callbacks(_words(line))
-        if c["class_path"].endswith("ModelCheckpoint") and "dirpath" in c.get("init_args", {})
+        for c in callbacks
+        if c["class_path"].endswith("ModelCheckpoint") and "dirpath" in c["init_args"]
     }
 
 
@@ -252,7 +259,9 @@ def run_validate(line: str, workdir: Path) -> None:
         _ensure_checkpoint(path, workdir)
     out = run(line, workdir, *_size_args(line)).stdout
     prefix = "test" if words[1] == "test" else "val"
-    metrics = [f"{prefix}/{name}" for name in ("reward", "accuracy", "value_mse_mc", "value_abs_error_mc")]
+    metrics = [
+        f"{prefix}/{name}" for name in ("reward", "accuracy", "value_mse_mc", "value_abs_error_mc")
+    ]
     metrics += [f"{prefix}/mean@{n}" for n in _option(words, "--data.val_samples_per_prompt")]
     for ks in _option(words, "--data.pass_k"):
         metrics += [f"{prefix}/pass@{k}" for k in yaml.safe_load(ks)]
@@ -298,7 +307,8 @@ def _check_exported(out: Path) -> None:
 
 
 def run_export(line: str, workdir: Path) -> None:
-    """Exports the checkpoint a README fit writes; Hugging Face folders that load."""
+    """Exports the checkpoint a README fit writes; Hugging Face folders that load (with
+    ``--adapter``, also the LoRA adapter folder, with peft)."""
     words = _words(line)
     (ckpt,) = _option(words, "--ckpt_path")
     (out,) = _option(words, "--out")
@@ -306,6 +316,15 @@ def run_export(line: str, workdir: Path) -> None:
     shutil.rmtree(workdir / out, ignore_errors=True)
     run(line, workdir)
     _check_exported(workdir / out)
+    if "--adapter" in words:
+        from peft import PeftModel
+        from transformers import AutoModelForCausalLM
+
+        from brace_lightning.export import ADAPTER_FOLDER
+
+        base = AutoModelForCausalLM.from_pretrained(workdir / out / "actor")
+        adapted = PeftModel.from_pretrained(base, workdir / out / ADAPTER_FOLDER)
+        assert any(".lora_B." in name for name, _ in adapted.named_parameters())
 
 
 def run_usage_template(line: str, workdir: Path) -> None:
@@ -525,7 +544,11 @@ KINDS = [
     Kind("fit", PROGRAM + r" fit --config .*", run_fit),
     Kind("validate", PROGRAM + r" (validate|test) --config .*", run_validate),
     Kind("example-script", r"\.venv/bin/python examples/\w+\.py \S+", run_example_script),
-    Kind("export", r"\.venv/bin/brace-lightning export --ckpt_path \S+ --out \S+", run_export),
+    Kind(
+        "export",
+        r"\.venv/bin/brace-lightning export --ckpt_path \S+ --out \S+( --adapter)?",
+        run_export,
+    ),
     Kind("usage-form", r"brace-lightning export --ckpt_path CKPT --out DIR", run_usage_template),
     Kind("quickstart-script", r"bash scripts/quickstart\.sh", run_quickstart_script),
     Kind("test-script", r"bash scripts/test\.sh", check_test_script, slow=False),

@@ -9,6 +9,10 @@ Three cases (``docs/fsdp.md``):
   reads each rank's shards from the folder's safetensors (nothing is read here);
 - ``fsdp_meta_init`` with a random model: built as usual, its full state kept, then both replaced by
   meta-device models, so that the sharded run starts from exactly the usual construction's values.
+
+With ``lora`` (``models/lora.py``) the actor, and with ``lora.critic`` the critic's backbone, get
+adapters after the critic is built (so the critic copies the plain backbone); LoRA is refused with
+``fsdp_meta_init`` and with FSDP2.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AutoConfig, PreTrainedTokenizerBase
 
 from brace_lightning.models.critic import ValueModel, critic_seed
+from brace_lightning.models.lora import LoraSettings, add_adapters, refuse_sharding
 from brace_lightning.models.meta_init import empty_models, materialise_and_fill
 from brace_lightning.models.parallelize import (
     checkpoint_activations,
@@ -58,10 +63,18 @@ def build_actor_critic(
     seed: int,
     critic_from_actor: bool,
     meta_init: bool,
+    lora: LoraSettings | dict[str, Any] | None = None,
     with_critic: bool = True,
 ) -> tuple[nn.Module, ValueModel | None, MetaFill | None]:
     """``(actor, critic, meta)``: the models in training mode (critic None without
-    ``with_critic``), and with ``meta_init`` what ``configure_model`` fills them from (else None)."""
+    ``with_critic``), and with ``meta_init`` what ``configure_model`` fills them from (else None).
+    ``lora`` (settings or their saved dict) adds adapters whose ``lora_A`` is drawn from ``seed``
+    (actor) and ``seed + 1`` (critic)."""
+    lora = LoraSettings.coerce(lora)
+    if lora is not None and meta_init:
+        raise ValueError(
+            "model.lora is not supported with fsdp_meta_init=True (FSDP2); set one of them off."
+        )
     if not with_critic:
         if meta_init:
             raise ValueError(
@@ -71,6 +84,8 @@ def build_actor_critic(
         policy = load_actor(
             actor, tokenizer=tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed
         )
+        if lora is not None:
+            add_adapters(policy, lora, seed=seed)
         return policy.train(), None, None
     if meta_init and actor != TINY:  # a checkpoint folder: nothing is read here
         policy, critic = empty_models(AutoConfig.from_pretrained(actor))
@@ -79,6 +94,10 @@ def build_actor_critic(
         actor, tokenizer=tokenizer, hidden_size=hidden_size, num_layers=num_layers, seed=seed
     )
     critic = ValueModel.from_actor(policy, copy_weights=critic_from_actor, seed=critic_seed(seed))
+    if lora is not None:
+        add_adapters(policy, lora, seed=seed)
+        if lora.critic:
+            add_adapters(critic.backbone, lora, seed=critic_seed(seed))
     meta = None
     if meta_init:  # random: the usual construction's exact values, sliced later
         meta = MetaFill(None, (policy.state_dict(), critic.state_dict()), critic_seed(seed))
@@ -120,7 +139,9 @@ def shard_actor_critic(
     so that capturing it copies shard to shard; no activation checkpointing: no backward), then
     meta-built models allocated and filled from ``meta`` (the reference only allocated: its values
     come from the actor at the first step, or from the checkpoint) on this rank's ``device``; a
-    critic-free run (``critic`` None) is never meta-built (:func:`build_actor_critic`)."""
+    critic-free run (``critic`` None) is never meta-built (:func:`build_actor_critic`). LoRA models
+    are refused (one sentence)."""
+    refuse_sharding(actor, critic)
     param_dtype, reduce_dtype = mixed_precision_dtypes(mixed_precision, mesh.device_type)
     policy = dict(param_dtype=param_dtype, reduce_dtype=reduce_dtype, cpu_offload=cpu_offload)
     for model in (actor, critic):

@@ -4,7 +4,9 @@ The rollout engines need the actor's full, unsharded weights with their Hugging 
 build an engine and again after every actor update. How to get them depends on how the actor is
 held, and that choice is made here, once:
 
-- not sharded (one device, DDP): the actor's own ``state_dict()`` (no copy);
+- not sharded (one device, DDP): the actor's own ``state_dict()`` (no copy); for a LoRA actor
+  (``models/lora.py``) the merged weights under the base model's names (a new tensor per adapted
+  layer), so no engine sees a peft name;
 - sharded with FSDP2 and ``bucket_bytes`` set: :func:`~brace_lightning.models.weight_sync.gathered_buckets`,
   the state dict gathered a bucket of at most ``bucket_bytes`` at a time, so a rank never holds a
   second full copy (``docs/fsdp.md``);
@@ -31,6 +33,7 @@ from torch import nn
 from transformers import PretrainedConfig, PreTrainedModel
 
 from brace_lightning.models.health import require_finite_weights
+from brace_lightning.models.lora import has_adapters, merged_copy, merged_state_dict
 from brace_lightning.models.parallelize import full_state_dict, is_sharded
 from brace_lightning.models.policy import load_causal_lm
 from brace_lightning.models.weight_sync import gathered_buckets, require_finite_shards
@@ -64,7 +67,7 @@ class ActorHandoff:
     def template(self) -> Mapping[str, torch.Tensor]:
         """Names, shapes and dtypes of the full state dict, gathering nothing (a sharded tensor
         reports its full shape): what weight slots are allocated from. Do not read the values."""
-        return self._actor.state_dict()
+        return merged_state_dict(self._actor)
 
     def buckets(self) -> Iterator[dict[str, torch.Tensor]]:
         """The full state dict (Hugging Face names) as a stream of disjoint buckets.
@@ -73,7 +76,7 @@ class ActorHandoff:
         must run the stream to its end.
         """
         if not is_sharded(self._actor):
-            yield self._actor.state_dict()
+            yield merged_state_dict(self._actor)
         elif self.bucket_bytes is None:
             yield full_state_dict(self._actor)
         else:
@@ -88,9 +91,10 @@ class ActorHandoff:
             require_finite_weights(self._actor.state_dict(), rollout_step=rollout_step)
 
     def engine_model(self) -> nn.Module:
-        """A model the rollout engines can deep-copy: the actor itself when it is not sharded, else
-        a fresh model built from its config and filled from :meth:`buckets` (a collective), on the
-        device of this rank's shards (so a GPU rank's engine generates on its GPU).
+        """A model the rollout engines can deep-copy: the actor itself when it is not sharded (a
+        plain copy with merged weights for a LoRA actor), else a fresh model built from its config
+        and filled from :meth:`buckets` (a collective), on the device of this rank's shards (so a
+        GPU rank's engine generates on its GPU).
 
         Raises:
             ValueError: when a sharded actor is not a Hugging Face ``PreTrainedModel``, or its
@@ -98,7 +102,7 @@ class ActorHandoff:
         """
         model = self._actor
         if not is_sharded(model):
-            return model
+            return merged_copy(model) if has_adapters(model) else model
         if not isinstance(model, PreTrainedModel):
             raise ValueError(
                 f"engine_model got a sharded {type(model).__name__}; expected a transformers "
