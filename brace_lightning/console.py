@@ -8,6 +8,9 @@ Each silenced message is named with its cause; nothing is filtered by category o
 * Two warnings about the ``dataloader_iter`` argument of ``training_step``: the module takes exactly
   one rollout batch from the iterator per step (a step is one PPO update), so ``batch_idx`` and the
   loop's counters are right — the case the warnings say is safe.
+* ``ModelCheckpoint`` with manual optimization and ``every_n_train_steps`` "will contain the model
+  state AFTER optimization" (13 lines with example code): a checkpoint after rollout step n holds
+  the weights and counters after that step's update, which is what resuming at step n + 1 needs.
 * ``isinstance(treespec, LeafSpec)`` is deprecated: Lightning's own ``_pytree`` helper on the torch
   version this project pins; nothing a user can change.
 * The progress bar's ``v_num`` (the log folder's number, formatted as a metric): the
@@ -33,6 +36,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 HARMLESS_WARNINGS = (
     r"You are using the `dataloader_iter` step flavor",
     r"Found `dataloader_iter` argument in the `training_step`",
+    r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
 )
 

@@ -54,7 +54,7 @@ from brace_lightning.models.weight_sync import (
 )
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import kl_to_reference
-from brace_lightning.optim import adamw, clipped_step, schedulers_by_network
+from brace_lightning.optim import adamw, clipped_step, one_global_step, step_schedulers
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scored, Scorer
@@ -81,7 +81,8 @@ class BraceModule(pl.LightningModule):
         critic_loss: the critic loss (clipped value loss, ε_v = 0.5 by default).
         actor_optimizer: builds the actor's optimizer; default AdamW(lr=1e-6) (paper).
         critic_optimizer: builds the critic's optimizer; default AdamW(lr=1e-5) (paper).
-        actor_scheduler: optional LR scheduler of the actor's optimizer (stepped every optimizer step).
+        actor_scheduler: optional LR scheduler of the actor's optimizer (stepped once per rollout step
+            in which the actor stepped, so its period is in rollout steps).
         critic_scheduler: optional LR scheduler of the critic's optimizer.
         critic_from_actor: initialise the critic's backbone from the actor's (else random).
         ppo_epochs: passes over each rollout batch.
@@ -276,12 +277,13 @@ class BraceModule(pl.LightningModule):
         due = self.rollout_step >= self.critic_warmup_steps
         train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
         stats = UpdateStats()
-        with timer("update"):
+        with timer("update"), one_global_step(self):  # global_step counts rollout steps (optim.py)
             for _ in range(self.ppo_epochs):
                 order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
                 for rows in order.tensor_split(self.num_minibatches):
                     if len(rows):
                         self._update(batch.select(rows), scored.rows(rows), train_actor, stats)
+        step_schedulers(self, (train_actor, True))
         self.rollout_step += 1
         with timer("weight_sync"):
             if train_actor:
@@ -411,11 +413,6 @@ class BraceModule(pl.LightningModule):
             stats.append("actor/grad_norm", self._clipped_step(self.actor, actor_opt))
             if self.ewma is not None:
                 self.ewma.update(self.actor)
-        for scheduler, trained in zip(
-            schedulers_by_network(self), (train_actor, True), strict=True
-        ):
-            if scheduler is not None and trained:
-                scheduler.step()
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Score on-policy rollouts (``val/reward`` = mean@samples_per_prompt, ``val/accuracy``)

@@ -1,18 +1,31 @@
-"""The PPO update's optimizer plumbing: default optimizers, one clipped step, schedulers by network.
+"""The PPO update's optimizer plumbing: default optimizers, one clipped step, one global step per
+rollout step, schedulers by network.
 
 The module has two optimizers (actor, critic) under manual optimization; every minibatch steps the
 critic's and, after the critic warm-up, the actor's. Each network's gradient norm is clipped on its
-own (``max_grad_norm``), and a network's LR scheduler steps only when its optimizer did.
+own (``max_grad_norm``).
+
+Lightning counts every ``LightningOptimizer.step`` of a manual-optimization module as one global
+step (the manual loop's ``optim_step_progress``, advanced by the optimizer's ``_on_before_step`` /
+``_on_after_step`` hooks), which would make ``trainer.global_step`` count ppo_epochs ×
+num_minibatches × 2 steps per rollout batch. :func:`one_global_step` counts the update's steps as
+one, so ``max_steps``, ``ModelCheckpoint(every_n_train_steps)``, ``val_check_interval`` and
+``log_every_n_steps`` are in rollout steps. Every step still goes through
+``LightningOptimizer.step`` and so through the strategy and its precision plugin (gradient scaling,
+FSDP). :func:`step_schedulers` steps each network's LR scheduler once per rollout step in which
+its optimizer stepped, so a scheduler's period is in rollout steps too.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -55,3 +68,41 @@ def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
     by_opt = {id(s.optimizer): s for s in schedulers}
     actor_opt, critic_opt = module.optimizers()
     return by_opt.get(id(actor_opt.optimizer)), by_opt.get(id(critic_opt.optimizer))
+
+
+def _no_count() -> None:
+    """Stands in for the manual loop's step-counting hooks inside :func:`one_global_step`."""
+
+
+@contextlib.contextmanager
+def one_global_step(module: pl.LightningModule) -> Iterator[None]:
+    """Count the optimizer steps of ``module`` inside the block as one Lightning global step.
+
+    The manual loop's counting hooks of every optimizer are set aside for the block and run once
+    after it (not after an exception); the steps themselves, and everything the strategy and its
+    precision plugin do in them, are unchanged.
+    """
+    optimizers = module.optimizers(use_pl_optimizer=True)
+    optimizers = optimizers if isinstance(optimizers, list) else [optimizers]
+    optimizers = [o for o in optimizers if isinstance(o, LightningOptimizer)]
+    hooks = [(o._on_before_step, o._on_after_step) for o in optimizers]
+    for optimizer in optimizers:
+        optimizer._on_before_step = optimizer._on_after_step = _no_count
+    try:
+        yield
+    finally:
+        for optimizer, (before, after) in zip(optimizers, hooks, strict=True):
+            optimizer._on_before_step, optimizer._on_after_step = before, after
+    if hooks:
+        before, after = hooks[0]
+        before()
+        after()
+
+
+def step_schedulers(module: pl.LightningModule, trained: tuple[bool, bool]) -> None:
+    """Step the (actor, critic) LR schedulers of ``module`` whose network was ``trained`` in this
+    rollout step: once per rollout step, so a scheduler's period (``T_max``, ``step_size``) counts
+    rollout steps in which its network stepped (the actor's starts after the critic warm-up)."""
+    for scheduler, stepped in zip(schedulers_by_network(module), trained, strict=True):
+        if scheduler is not None and stepped:
+            scheduler.step()
