@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torchmetrics import Metric
 
+from brace_lightning.metrics.base import KeptDtypeMetric
 from brace_lightning.metrics.functional import (
     action_index,
     bin_index,
@@ -67,7 +67,7 @@ class Binned(NamedTuple):
     edges: torch.Tensor
 
 
-class ValueBiasGap(Metric):
+class ValueBiasGap(KeptDtypeMetric):
     """ĝ_π: mean absolute gap between the critic and a reference value over actions (paper Fig. 4a).
 
         ĝ_π = (1 / N) Σ_{actions} |V(s_t) − V_ref(s_t)|
@@ -103,7 +103,7 @@ class ValueBiasGap(Metric):
         return self.abs_sum / self.count
 
 
-class SeparationByPosition(Metric):
+class SeparationByPosition(KeptDtypeMetric):
     """b̂ by position: mean of b(s_t) = V^π(s_t) − V^µ(s_t) in bins of action index (paper Fig. 2a).
 
     The difference is given by the caller (exact in the simulator, or any estimate); positions are
@@ -149,7 +149,7 @@ class SeparationByPosition(Metric):
         return Binned(value, self.count, defined, self.edges)
 
 
-class HorizonBeta(Metric):
+class HorizonBeta(KeptDtypeMetric):
     """β by remaining horizon: least-squares slope of a value target on the realized return (Fig. 2b).
 
     Within each bin of remaining horizon h_t (actions from t to the row's end, 1 at the last
