@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import brace_lightning
+from brace_lightning.callbacks import RunCheckpoint
 from brace_lightning.checkpoints import check_ckpt_path
 from brace_lightning.cli_errors import (
     check_config_files,
@@ -40,7 +41,11 @@ from brace_lightning.cli_errors import (
 )
 from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
-from brace_lightning.run_names import name_tensorboard_run
+from brace_lightning.run_names import (
+    name_tensorboard_run,
+    place_under_root_dir,
+    resume_in_run_folder,
+)
 
 #: Shown at the top of ``fit --help`` and ``validate --help``: the data module's own arguments are
 #: listed by ``--data.help``, since ``data`` is chosen by class.
@@ -73,8 +78,10 @@ class BraceCLI(LightningCLI):
         return parser
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse, then refuse a ``--ckpt_path`` that is not a readable checkpoint with one sentence
-        (``checkpoints.py``), before LightningCLI reads its hyperparameters or builds a model.
+        """Parse; put relative log and checkpoint folders under ``trainer.default_root_dir`` and
+        resolve ``--ckpt_path last`` in the run's folders (``run_names.py``); then refuse a
+        ``--ckpt_path`` that is not a readable checkpoint with one sentence (``checkpoints.py``),
+        before LightningCLI reads its hyperparameters or builds a model.
 
         With a ``--ckpt_path``, the ``model.*`` options given explicitly (command line and
         ``--config`` files, without the defaults) are kept for :meth:`_parse_ckpt_path`.
@@ -83,6 +90,8 @@ class BraceCLI(LightningCLI):
         self._explicit_model_options: list[str] = []
         subcommand = self.config.get("subcommand")
         if subcommand:
+            place_under_root_dir(self.config[subcommand])
+            resume_in_run_folder(self.config[subcommand])
             ckpt_path = self.config[subcommand].get("ckpt_path")
             try:
                 check_ckpt_path(ckpt_path)
@@ -118,17 +127,28 @@ class BraceCLI(LightningCLI):
         name_tensorboard_run(self.config[self.subcommand] if self.subcommand else self.config)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Link the data module's tokenizer to the actor; every run's checkpoint is configured by
+        ``--checkpoint.*`` (``callbacks.RunCheckpoint``), apart from ``trainer.callbacks``, so a
+        recipe's callbacks list (or ``--trainer.callbacks=[]``) leaves it in place."""
         parser.link_arguments("model.actor", "data.init_args.tokenizer")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with :func:`~brace_lightning.console.rollout_progress_bar` unless the
-        config turns the bar off or brings its own."""
-        config = self._get(self.config_init, "trainer", default={})
-        callbacks = list(kwargs.get("callbacks", config.get("callbacks")) or [])
-        wanted = {**config, **kwargs}.get("enable_progress_bar") is not False
-        if wanted and not any(isinstance(callback, ProgressBar) for callback in callbacks):
-            kwargs["callbacks"] = [*callbacks, rollout_progress_bar()]
-        return super().instantiate_trainer(**kwargs)
+        config turns the bar off or brings its own, and the run's checkpoint unless
+        ``trainer.enable_checkpointing`` is false."""
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            config["callbacks"] = callbacks = [*callbacks, rollout_progress_bar()]
+        extra = [
+            self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys
+        ]
+        if config.get("enable_checkpointing") is False:
+            extra = [callback for callback in extra if not isinstance(callback, RunCheckpoint)]
+        return self._instantiate_trainer(config, extra)
 
     def instantiate_classes(self) -> None:
         """Build the objects; a class's ValueError is reported like a parse error (exit 2)."""

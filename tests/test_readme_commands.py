@@ -193,11 +193,18 @@ def _size_args(line: str) -> list[str]:
 
 
 def _checkpoint_dirs(line: str) -> set[Path]:
-    return {
+    """The checkpoint folders a line's ``--config`` files name: the run's (``checkpoint.dirpath``)
+    and its ModelCheckpoint callbacks'."""
+    folders = {
         Path(c["init_args"]["dirpath"])
         for c in _callbacks(_words(line))
         if c["class_path"].endswith("ModelCheckpoint") and "dirpath" in c.get("init_args", {})
     }
+    for config in _option(_words(line), "--config"):
+        checkpoint = (yaml.safe_load((REPO / config).read_text()) or {}).get("checkpoint") or {}
+        if checkpoint.get("dirpath"):
+            folders.add(Path(checkpoint["dirpath"]))
+    return folders
 
 
 def _event_files(root: Path) -> set[Path]:
