@@ -38,6 +38,8 @@ from brace_lightning.cli_errors import (
     construction_errors,
     fail,
     overridden_option,
+    refused_trainer_options,
+    unknown_option_sentence,
 )
 from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
@@ -54,6 +56,34 @@ DATA_HELP = (
     "or --data AsyncRolloutDataModule (max_staleness). Its arguments (prompts_per_step, "
     "samples_per_prompt, lag, max_staleness, engine, task, ...) are listed by "
     "--data.help RolloutDataModule and --data.help AsyncRolloutDataModule."
+)
+
+
+def _option_strings(parser: Any) -> list[str]:
+    """Every ``--option`` of ``parser`` and of its subcommands' parsers."""
+    options = []
+    for action in getattr(parser, "_actions", []):
+        options += [o for o in action.option_strings if o.startswith("--")]
+        for sub in (getattr(action, "_name_parser_map", None) or {}).values():
+            options += _option_strings(sub)
+    return options
+
+
+class BraceArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser whose ``unrecognized arguments`` error says "did you mean" and
+    points ``--optimizer``/``--lr_scheduler`` at the module's options (``cli_errors.py``)."""
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+        return super().error(
+            unknown_option_sentence(message, _option_strings(self)), *args, **kwargs
+        )
+
+
+#: Shown at the top of ``--help``: ``export`` is its own command, not a LightningCLI subcommand.
+ROOT_HELP = (
+    "Subcommands: fit (train), validate (score a checkpoint's policy on fresh rollouts), and "
+    "export: brace-lightning export --ckpt_path CKPT --out DIR writes Hugging Face folders "
+    "(brace-lightning export --help)."
 )
 
 
@@ -90,6 +120,9 @@ class BraceCLI(LightningCLI):
         self._explicit_model_options: list[str] = []
         subcommand = self.config.get("subcommand")
         if subcommand:
+            refusal = refused_trainer_options(self.config[subcommand])
+            if refusal is not None:
+                fail(parser, refusal)
             place_under_root_dir(self.config[subcommand])
             resume_in_run_folder(self.config[subcommand])
             ckpt_path = self.config[subcommand].get("ckpt_path")
@@ -168,9 +201,11 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     check_config_files(sys.argv[1:] if args is None else args)
     quiet_lightning()
     kwargs: dict[str, Any] = {
+        "parser_class": BraceArgumentParser,
         "save_config_kwargs": {"overwrite": True},
         "auto_configure_optimizers": False,
         "parser_kwargs": {
+            "description": ROOT_HELP,
             "fit": {"description": f"Train with PPO. {DATA_HELP}"},
             "validate": {"description": f"Score on-policy rollouts. {DATA_HELP}"},
         },

@@ -1,0 +1,94 @@
+"""The CLI's messages keep their cause and say what to type: a missing package's install hint,
+"did you mean" for a typo, the module's own options for LightningCLI's optimizer options and the
+trainer options it replaces, ``export`` in ``--help`` (``cli_errors.py``, ``cli.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from brace_lightning.cli import run
+from brace_lightning.cli_errors import construction_sentence, unknown_option_sentence
+from tests.test_trainer import CONFIGS
+
+QUICKSTART = ["fit", "--config", str(CONFIGS / "quickstart.yaml")]
+
+
+def _error(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """The last line printed by a CLI call that must exit with code 2."""
+    with pytest.raises(SystemExit) as stop:
+        run(args)
+    captured = capsys.readouterr()
+    assert stop.value.code == 2, captured
+    return (captured.out + captured.err).strip().splitlines()[-1]
+
+
+def test_a_missing_package_keeps_its_install_hint(capsys: pytest.CaptureFixture[str]) -> None:
+    try:
+        import wandb  # noqa: F401
+
+        pytest.skip("wandb is installed: no import error to report")
+    except ImportError:
+        pass
+    line = _error([*QUICKSTART, "--trainer.logger", "WandbLogger"], capsys)
+    assert line.startswith("error: Problem with given class_path") and "WandbLogger" in line
+    assert "pip install" in line and "wandb" in line.split("WandbLogger", 1)[1]
+
+
+def test_the_cause_of_a_class_error_follows_its_first_line() -> None:
+    try:
+        try:
+            raise ImportError(
+                "HFPrompts needs the `datasets` package: pip install -e '.[datasets]'"
+            )
+        except ImportError as cause:
+            raise ValueError("Problem with given class_path 'x.HFPrompts':\n  details") from cause
+    except ValueError as error:
+        sentence = construction_sentence(error)
+    assert sentence == (
+        "Problem with given class_path 'x.HFPrompts': "
+        "HFPrompts needs the `datasets` package: pip install -e '.[datasets]'"
+    )
+    assert construction_sentence(ValueError("k must be > 0;\n dump")) == "k must be > 0;"
+
+
+@pytest.mark.parametrize(
+    ("typo", "meant"),
+    [
+        ("--trainer.acumulate_grad_batches", "--trainer.accumulate_grad_batches"),
+        ("--model.ppo_epohcs", "--model.ppo_epochs"),
+        ("--data.prompts_per_stp", "--data.prompts_per_step"),
+    ],
+)
+def test_an_unknown_option_gets_did_you_mean(
+    typo: str, meant: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _error([*QUICKSTART, typo, "2"], capsys)
+    assert f"did you mean {meant} (not {typo})?" in line
+
+
+def test_no_guess_for_an_option_like_none_known() -> None:
+    message = "unrecognized arguments: --zzz 1"
+    assert unknown_option_sentence(message, ["--model.ppo_epochs"]) == message
+
+
+@pytest.mark.parametrize(
+    ("given", "pointer"),
+    [
+        (["--optimizer", "Adam"], "--model.actor_optimizer and --model.critic_optimizer"),
+        (["--lr_scheduler", "StepLR"], "--model.actor_scheduler and --model.critic_scheduler"),
+        (["--trainer.accumulate_grad_batches", "2"], "--model.num_minibatches"),
+        (["--trainer.gradient_clip_val", "1.0"], "--model.max_grad_norm"),
+    ],
+)
+def test_optimization_options_point_at_the_modules_own(
+    given: list[str], pointer: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = _error([*QUICKSTART, *given], capsys)
+    assert line.startswith("error: ") and given[0] in line and pointer in line
+
+
+def test_help_names_export(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        run(["--help"])
+    out = capsys.readouterr().out
+    assert "brace-lightning export --ckpt_path" in " ".join(out.split())
