@@ -1,13 +1,21 @@
 """The CLI's messages keep their cause and say what to type: a missing package's install hint,
 "did you mean" for a typo, the module's own options for LightningCLI's optimizer options and the
-trainer options it replaces, ``export`` in ``--help`` (``cli_errors.py``, ``cli.py``)."""
+trainer options it replaces, ``export`` in ``--help`` (``cli_errors.py``, ``cli.py``); a reward
+that raises shows its traceback once with a count (``console.ErrorsOnce``)."""
 
 from __future__ import annotations
+
+import logging
+import traceback
 
 import pytest
 
 from brace_lightning.cli import run
 from brace_lightning.cli_errors import construction_sentence, unknown_option_sentence
+from brace_lightning.console import ErrorsOnce
+from brace_lightning.rollout.collect import score_and_pad
+from brace_lightning.tasks.base import Prompt, RewardFunction
+from tests.test_reward_timeout import TOKENIZER, generated
 from tests.test_trainer import CONFIGS
 
 QUICKSTART = ["fit", "--config", str(CONFIGS / "quickstart.yaml")]
@@ -92,3 +100,37 @@ def test_help_names_export(capsys: pytest.CaptureFixture[str]) -> None:
         run(["--help"])
     out = capsys.readouterr().out
     assert "brace-lightning export --ckpt_path" in " ".join(out.split())
+
+
+class ShortAnswersFail(RewardFunction):
+    """Raises the same error on completions shorter than 3 characters, scores the others 1."""
+
+    def __call__(self, prompt: Prompt, completion: str) -> float:
+        if len(completion) < 3:
+            raise RuntimeError("verifier crashed")
+        return 1.0
+
+
+def test_a_failing_reward_is_shown_once_with_its_traceback_and_count(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ErrorsOnce, "shown", set())
+    prompts = [Prompt(text="q", answer="1")]
+    with caplog.at_level(logging.DEBUG, logger="brace_lightning.rollout.collect"):
+        for _ in range(3):  # three rollout batches of 5 samples, 2 of them failing
+            batch = score_and_pad(generated(5), prompts, TOKENIZER, ShortAnswersFail(), 0, 0)
+            assert batch.info["dropped_reward_error"] == 2.0 and len(batch) == 3
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    (shown,) = warnings
+    assert shown.getMessage().startswith(
+        "reward ShortAnswersFail raised RuntimeError: verifier crashed on 2 of 5 samples"
+    )
+    assert "data/count/dropped_reward_error" in shown.getMessage()
+    assert shown.exc_info is not None
+    assert 'raise RuntimeError("verifier crashed")' in "".join(
+        traceback.format_exception(*shown.exc_info)
+    )
+    assert (
+        sum(r.levelno == logging.DEBUG and "again" in r.getMessage() for r in caplog.records) == 2
+    )
