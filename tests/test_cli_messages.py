@@ -1,18 +1,24 @@
 """The CLI's messages keep their cause and say what to type: a missing package's install hint,
 "did you mean" for a typo, the module's own options for LightningCLI's optimizer options and the
 trainer options it replaces, ``export`` in ``--help`` (``cli_errors.py``, ``cli.py``); a reward
-that raises shows its traceback once with a count (``console.ErrorsOnce``)."""
+that raises shows its traceback once with a count (``console.ErrorsOnce``); an unknown model name
+offline fails at once (``models/sources.py``)."""
 
 from __future__ import annotations
 
 import logging
+import os
+import time
 import traceback
+from collections.abc import Iterator
 
+import huggingface_hub.constants
 import pytest
 
 from brace_lightning.cli import run
 from brace_lightning.cli_errors import construction_sentence, unknown_option_sentence
 from brace_lightning.console import ErrorsOnce
+from brace_lightning.models import sources
 from brace_lightning.rollout.collect import score_and_pad
 from brace_lightning.tasks.base import Prompt, RewardFunction
 from tests.test_reward_timeout import TOKENIZER, generated
@@ -134,3 +140,29 @@ def test_a_failing_reward_is_shown_once_with_its_traceback_and_count(
     assert (
         sum(r.levelno == logging.DEBUG and "again" in r.getMessage() for r in caplog.records) == 2
     )
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A process that finds the hub unreachable (its switch to HF_HUB_OFFLINE undone after)."""
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(sources, "hub_reachable", lambda endpoint: False)
+    sources.use_cache_when_offline.cache_clear()
+    yield
+    sources.use_cache_when_offline.cache_clear()
+
+
+def test_an_unknown_model_name_offline_fails_at_once_in_one_sentence(offline: None) -> None:
+    start = time.monotonic()
+    with pytest.raises(ValueError, match=r"^tokenizer source 'no-such-org/no-such-model' is") as e:
+        sources.load_tokenizer("no-such-org/no-such-model")
+    assert time.monotonic() - start < 10.0  # without the switch: about a minute of retries
+    assert "the hub is not reachable (offline)" in str(e.value) and "\n" not in str(e.value)
+    assert huggingface_hub.constants.HF_HUB_OFFLINE and os.environ["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_hub_check_is_one_short_connection() -> None:
+    start = time.monotonic()
+    assert not sources.hub_reachable("https://127.0.0.1:9", timeout=1.0)  # discard port: refused
+    assert time.monotonic() - start < 5.0
