@@ -40,6 +40,7 @@ from brace_lightning.cli_errors import (
     overridden_option,
     refused_trainer_options,
     unknown_option_sentence,
+    validation_without_batches,
 )
 from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
@@ -110,8 +111,9 @@ class BraceCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse; put relative log and checkpoint folders under ``trainer.default_root_dir`` and
         resolve ``--ckpt_path last`` in the run's folders (``run_names.py``); then refuse a
-        ``--ckpt_path`` that is not a readable checkpoint with one sentence (``checkpoints.py``),
-        before LightningCLI reads its hyperparameters or builds a model.
+        ``--ckpt_path`` that is not a readable checkpoint (``checkpoints.py``), a trainer option
+        the module replaces and a ``validate`` without batches with one sentence each
+        (``cli_errors.py``), before LightningCLI reads hyperparameters or builds a model.
 
         With a ``--ckpt_path``, the ``model.*`` options given explicitly (command line and
         ``--config`` files, without the defaults) are kept for :meth:`_parse_ckpt_path`.
@@ -120,9 +122,6 @@ class BraceCLI(LightningCLI):
         self._explicit_model_options: list[str] = []
         subcommand = self.config.get("subcommand")
         if subcommand:
-            refusal = refused_trainer_options(self.config[subcommand])
-            if refusal is not None:
-                fail(parser, refusal)
             place_under_root_dir(self.config[subcommand])
             resume_in_run_folder(self.config[subcommand])
             ckpt_path = self.config[subcommand].get("ckpt_path")
@@ -130,6 +129,10 @@ class BraceCLI(LightningCLI):
                 check_ckpt_path(ckpt_path)
             except ValueError as error:
                 fail(parser, str(error))
+            refusal = refused_trainer_options(self.config[subcommand])
+            refusal = refusal or validation_without_batches(subcommand, self.config[subcommand])
+            if refusal is not None:
+                fail(parser, refusal)
             if ckpt_path:
                 if isinstance(args, dict | Namespace):
                     explicit = parser.parse_object(args, defaults=False)

@@ -13,7 +13,8 @@ follows the sentence (:func:`construction_sentence`).
 :func:`unknown_option_sentence` completes jsonargparse's ``unrecognized arguments`` with the closest
 known option ("did you mean") and, for LightningCLI's ``--optimizer``/``--lr_scheduler`` (not
 offered: the two networks have their own), the module's options; :func:`refused_trainer_options`
-refuses trainer options the module replaces (``accumulate_grad_batches``) in one sentence.
+refuses trainer options the module replaces (``accumulate_grad_batches``) in one sentence, and
+:func:`validation_without_batches` a ``validate`` that would score no batch.
 
 :func:`check_config_files` reads every ``--config`` file as YAML before the parser does, so a
 malformed file is reported with its path (the parser only names ``"<unicode string>"``).
@@ -298,3 +299,17 @@ def overridden_option(
             f"ckpt_path={str(ckpt_path)!r}: resume with the checkpoint's value or start a new run."
         )
     return None
+
+
+def validation_without_batches(subcommand: str | None, config: Any) -> str | None:
+    """The sentence refusing ``validate`` with ``data.val_batches`` 0 (it would score nothing and
+    exit 0 in silence), or None; data modules without ``val_batches`` are left to themselves."""
+    if subcommand != "validate":
+        return None
+    val_batches = config.get("data.init_args.val_batches")
+    if val_batches is None or val_batches != 0:
+        return None
+    return (
+        "validate scores on-policy rollouts but --data.val_batches is 0: set --data.val_batches N "
+        "(rollout batches of prompts_per_step prompts to sample and score, e.g. 2)."
+    )
