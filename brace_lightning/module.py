@@ -54,7 +54,7 @@ from brace_lightning.models.weight_sync import (
 )
 from brace_lightning.objectives import ActorObjective, CriticLoss, PPOClip
 from brace_lightning.objectives.functional import kl_to_reference
-from brace_lightning.optim import adamw, clipped_step, one_global_step, step_schedulers
+from brace_lightning.optim import adamw, clip_before_step, clipped_step, rollout_update
 from brace_lightning.ranks import Ranks
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scored, Scorer
@@ -277,13 +277,13 @@ class BraceModule(pl.LightningModule):
         due = self.rollout_step >= self.critic_warmup_steps
         train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
         stats = UpdateStats()
-        with timer("update"), one_global_step(self):  # global_step counts rollout steps (optim.py)
+        # One global step and one scheduler step per rollout step (optim.py).
+        with timer("update"), rollout_update(self, (train_actor, True)):
             for _ in range(self.ppo_epochs):
                 order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
                 for rows in order.tensor_split(self.num_minibatches):
                     if len(rows):
                         self._update(batch.select(rows), scored.rows(rows), train_actor, stats)
-        step_schedulers(self, (train_actor, True))
         self.rollout_step += 1
         with timer("weight_sync"):
             if train_actor:
@@ -433,6 +433,9 @@ class BraceModule(pl.LightningModule):
 
     def _clipped_step(self, model: nn.Module, optimizer: Any) -> torch.Tensor:
         return clipped_step(model, optimizer, self.max_grad_norm, self.device)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        clip_before_step(optimizer)  # gradients unscaled by the precision plugin (optim.py)
 
     def _backward(self, what: str, loss: torch.Tensor) -> None:
         require_finite_loss(what, loss, rollout_step=self.rollout_step)

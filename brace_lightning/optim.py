@@ -41,21 +41,60 @@ def adamw(lr: float) -> OptimizerFactory:
     return build
 
 
+#: Gradient clips waiting for Lightning's ``on_before_optimizer_step`` of their optimizer (by id).
+_PENDING_CLIPS: dict[int, Callable[[], None]] = {}
+
+
 def clipped_step(
     model: nn.Module, optimizer: Any, max_grad_norm: float | None, device: torch.device
 ) -> torch.Tensor:
     """Clip ``model``'s gradient norm to ``max_grad_norm`` (None: no clipping), step ``optimizer``
-    and zero the gradients; the gradient norm before clipping (0 when no parameter has one)."""
-    params = [p for p in model.parameters() if p.grad is not None]
+    and zero the gradients; the gradient norm before clipping (0 when no parameter has one).
+
+    Through a ``LightningOptimizer`` the clip runs inside the step, in the module's
+    ``on_before_optimizer_step`` (:func:`clip_before_step`): after the precision plugin has
+    unscaled the gradients (``16-mixed``'s GradScaler; clipping scaled gradients would clip them
+    to ~1/scale) and right before the update. A plain torch optimizer is clipped, then stepped.
+    """
     norm = torch.zeros((), device=device)
-    if params:
-        max_norm = math.inf if max_grad_norm is None else max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
-        # FSDP2: the norm of DTensor gradients is a replicated DTensor (the global norm).
-        norm = norm.full_tensor() if isinstance(norm, DTensor) else norm
-    optimizer.step()
+
+    def clip() -> None:
+        nonlocal norm
+        norm = _clip_grad_norm(model, max_grad_norm, device)
+
+    if not isinstance(optimizer, LightningOptimizer):
+        clip()
+        optimizer.step()
+    else:
+        key = id(optimizer.optimizer)
+        _PENDING_CLIPS[key] = clip
+        try:
+            optimizer.step()
+        finally:
+            missed = _PENDING_CLIPS.pop(key, None)
+        assert missed is None, "the precision plugin stepped without on_before_optimizer_step"
     optimizer.zero_grad(set_to_none=True)
     return norm
+
+
+def clip_before_step(optimizer: torch.optim.Optimizer) -> None:
+    """Run the clip :func:`clipped_step` left for ``optimizer`` (Lightning's raw optimizer, as
+    ``on_before_optimizer_step`` receives it); nothing when none is pending."""
+    clip = _PENDING_CLIPS.pop(id(optimizer), None)
+    if clip is not None:
+        clip()
+
+
+def _clip_grad_norm(
+    model: nn.Module, max_grad_norm: float | None, device: torch.device
+) -> torch.Tensor:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return torch.zeros((), device=device)
+    max_norm = math.inf if max_grad_norm is None else max_grad_norm
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm).detach()
+    # FSDP2: the norm of DTensor gradients is a replicated DTensor (the global norm).
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
 
 def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
@@ -106,3 +145,13 @@ def step_schedulers(module: pl.LightningModule, trained: tuple[bool, bool]) -> N
     for scheduler, stepped in zip(schedulers_by_network(module), trained, strict=True):
         if scheduler is not None and stepped:
             scheduler.step()
+
+
+@contextlib.contextmanager
+def rollout_update(module: pl.LightningModule, trained: tuple[bool, bool]) -> Iterator[None]:
+    """The update of one rollout step as Lightning and the schedulers see it: its optimizer steps
+    count as one global step (:func:`one_global_step`), and the (actor, critic) schedulers whose
+    network is ``trained`` step once after it (:func:`step_schedulers`)."""
+    with one_global_step(module):
+        yield
+    step_schedulers(module, trained)
