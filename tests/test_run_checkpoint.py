@@ -10,6 +10,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import yaml
 
 from brace_lightning.callbacks import RunCheckpoint
 from brace_lightning.cli import run
@@ -86,3 +87,15 @@ def test_default_root_dir_moves_the_recipes_logs_and_checkpoints(
     assert Path(cli.trainer.logger.log_dir).resolve().is_relative_to(tmp_path / "out" / "runs")
     assert (tmp_path / "out" / "ckpt" / "last.ckpt").exists()
     assert not (tmp_path / "runs").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_every_recipe_saves_periodically() -> None:
+    """Each whole recipe (not an overlay) sets the run checkpoint's interval and keeps it on."""
+    from tests.test_configs import RECIPES
+
+    assert RECIPES
+    for path in RECIPES:
+        recipe = yaml.safe_load(path.read_text())
+        interval = (recipe.get("checkpoint") or {}).get("every_n_train_steps")
+        assert isinstance(interval, int) and interval >= 1, path
+        assert (recipe.get("trainer") or {}).get("enable_checkpointing") is not False, path
