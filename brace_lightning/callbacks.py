@@ -10,6 +10,10 @@ custom prompt source) skips it with one logged sentence.
 :class:`CollapseWarning` watches three signals of a collapsing asynchronous run (issue 30,
 ``docs/stability.md``) and, when one stays past its threshold for ``patience`` rollout steps in a
 row, logs one line that names what happened and what to try; optionally it stops the run.
+
+:class:`RunCheckpoint` is the checkpoint every run gets (the CLI's ``checkpoint`` options): Lightning's
+``ModelCheckpoint`` saving ``last.ckpt`` every ``every_n_train_steps`` rollout steps, at the end, and
+when the run fails (``save_on_exception``), so ``fit --ckpt_path last`` resumes a run that crashed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities import rank_zero_info
 
 from brace_lightning.checks import require_bool, require_int
@@ -234,3 +239,60 @@ class CollapseWarning(pl.Callback):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.runs.update({k: v for k, v in state_dict["runs"].items() if k in self.runs})
+
+
+class RunCheckpoint(ModelCheckpoint):
+    """Lightning's ``ModelCheckpoint`` with a run's defaults: periodic, last and on failure.
+
+    ``trainer.global_step`` counts rollout steps (``optim.one_global_step``), so
+    ``every_n_train_steps`` is in rollout steps. By default only ``last.ckpt`` is kept (``save_top_k``
+    0: a 1.5B model's checkpoint with optimizer states is tens of GB); ``save_top_k=-1`` keeps every
+    periodic one as ``epoch=E-step=S.ckpt``. The folder is Lightning's: ``<log_dir>/checkpoints``,
+    or ``<default_root_dir>/checkpoints`` without a logger.
+
+    Args:
+        dirpath: the checkpoints' folder (None: Lightning's, above).
+        every_n_train_steps: save every this many rollout steps (None or 0: only at the end).
+        save_last: keep ``last.ckpt`` (what ``fit --ckpt_path last`` resumes).
+        save_top_k: periodic checkpoints kept besides ``last.ckpt`` (-1: all; with ``monitor``, the best).
+        monitor: a logged metric that ranks the kept checkpoints (e.g. ``rollout/reward``).
+        mode: ``"min"`` or ``"max"`` for ``monitor``.
+        save_on_exception: save when the run fails, in single-process runs only (with several
+            processes the save is collective and would wait for the ranks that did not fail).
+    """
+
+    def __init__(
+        self,
+        *,
+        dirpath: str | None = None,
+        every_n_train_steps: int | None = 50,
+        save_last: bool = True,
+        save_top_k: int = 0,
+        monitor: str | None = None,
+        mode: str = "min",
+        save_on_exception: bool = True,
+    ) -> None:
+        super().__init__(
+            dirpath=dirpath,
+            every_n_train_steps=every_n_train_steps or 0,
+            save_last=save_last,
+            save_top_k=save_top_k,
+            monitor=monitor,
+            mode=mode,
+            save_on_exception=save_on_exception,
+        )
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Save ``last.ckpt`` at the end unless the last periodic save was at this very step
+        (Lightning's own end-of-run save is skipped once any periodic one happened, so a run
+        stopped between two saves would resume from the older one)."""
+        if self.save_last and self._last_global_step_saved != trainer.global_step:
+            self._save_last_checkpoint(trainer, self._monitor_candidates(trainer))
+        else:
+            super().on_train_end(trainer, pl_module)
+
+    def on_exception(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException
+    ) -> None:
+        if trainer.world_size == 1:
+            super().on_exception(trainer, pl_module, exception)

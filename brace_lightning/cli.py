@@ -30,6 +30,7 @@ from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 import brace_lightning
+from brace_lightning.callbacks import RunCheckpoint
 from brace_lightning.checkpoints import check_ckpt_path
 from brace_lightning.cli_errors import (
     check_config_files,
@@ -37,10 +38,17 @@ from brace_lightning.cli_errors import (
     construction_errors,
     fail,
     overridden_option,
+    refused_trainer_options,
+    unknown_option_sentence,
+    validation_without_batches,
 )
 from brace_lightning.console import quiet_lightning, rollout_progress_bar
 from brace_lightning.module import BraceModule
-from brace_lightning.run_names import name_tensorboard_run
+from brace_lightning.run_names import (
+    name_tensorboard_run,
+    place_under_root_dir,
+    resume_in_run_folder,
+)
 
 #: Shown at the top of ``fit --help`` and ``validate --help``: the data module's own arguments are
 #: listed by ``--data.help``, since ``data`` is chosen by class.
@@ -49,6 +57,34 @@ DATA_HELP = (
     "or --data AsyncRolloutDataModule (max_staleness). Its arguments (prompts_per_step, "
     "samples_per_prompt, lag, max_staleness, engine, task, ...) are listed by "
     "--data.help RolloutDataModule and --data.help AsyncRolloutDataModule."
+)
+
+
+def _option_strings(parser: Any) -> list[str]:
+    """Every ``--option`` of ``parser`` and of its subcommands' parsers."""
+    options = []
+    for action in getattr(parser, "_actions", []):
+        options += [o for o in action.option_strings if o.startswith("--")]
+        for sub in (getattr(action, "_name_parser_map", None) or {}).values():
+            options += _option_strings(sub)
+    return options
+
+
+class BraceArgumentParser(LightningArgumentParser):
+    """LightningCLI's parser whose ``unrecognized arguments`` error says "did you mean" and
+    points ``--optimizer``/``--lr_scheduler`` at the module's options (``cli_errors.py``)."""
+
+    def error(self, message: str, *args: Any, **kwargs: Any) -> Any:
+        return super().error(
+            unknown_option_sentence(message, _option_strings(self)), *args, **kwargs
+        )
+
+
+#: Shown at the top of ``--help``: ``export`` is its own command, not a LightningCLI subcommand.
+ROOT_HELP = (
+    "Subcommands: fit (train), validate (score a checkpoint's policy on fresh rollouts), and "
+    "export: brace-lightning export --ckpt_path CKPT --out DIR writes Hugging Face folders "
+    "(brace-lightning export --help)."
 )
 
 
@@ -73,8 +109,11 @@ class BraceCLI(LightningCLI):
         return parser
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
-        """Parse, then refuse a ``--ckpt_path`` that is not a readable checkpoint with one sentence
-        (``checkpoints.py``), before LightningCLI reads its hyperparameters or builds a model.
+        """Parse; put relative log and checkpoint folders under ``trainer.default_root_dir`` and
+        resolve ``--ckpt_path last`` in the run's folders (``run_names.py``); then refuse a
+        ``--ckpt_path`` that is not a readable checkpoint (``checkpoints.py``), a trainer option
+        the module replaces and a ``validate`` without batches with one sentence each
+        (``cli_errors.py``), before LightningCLI reads hyperparameters or builds a model.
 
         With a ``--ckpt_path``, the ``model.*`` options given explicitly (command line and
         ``--config`` files, without the defaults) are kept for :meth:`_parse_ckpt_path`.
@@ -83,11 +122,17 @@ class BraceCLI(LightningCLI):
         self._explicit_model_options: list[str] = []
         subcommand = self.config.get("subcommand")
         if subcommand:
+            place_under_root_dir(self.config[subcommand])
+            resume_in_run_folder(self.config[subcommand])
             ckpt_path = self.config[subcommand].get("ckpt_path")
             try:
                 check_ckpt_path(ckpt_path)
             except ValueError as error:
                 fail(parser, str(error))
+            refusal = refused_trainer_options(self.config[subcommand])
+            refusal = refusal or validation_without_batches(subcommand, self.config[subcommand])
+            if refusal is not None:
+                fail(parser, refusal)
             if ckpt_path:
                 if isinstance(args, dict | Namespace):
                     explicit = parser.parse_object(args, defaults=False)
@@ -118,17 +163,28 @@ class BraceCLI(LightningCLI):
         name_tensorboard_run(self.config[self.subcommand] if self.subcommand else self.config)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        """Link the data module's tokenizer to the actor; every run's checkpoint is configured by
+        ``--checkpoint.*`` (``callbacks.RunCheckpoint``), apart from ``trainer.callbacks``, so a
+        recipe's callbacks list (or ``--trainer.callbacks=[]``) leaves it in place."""
         parser.link_arguments("model.actor", "data.init_args.tokenizer")
+        parser.add_lightning_class_args(RunCheckpoint, "checkpoint")
 
     def instantiate_trainer(self, **kwargs: Any) -> Trainer:
         """The trainer, with :func:`~brace_lightning.console.rollout_progress_bar` unless the
-        config turns the bar off or brings its own."""
-        config = self._get(self.config_init, "trainer", default={})
-        callbacks = list(kwargs.get("callbacks", config.get("callbacks")) or [])
-        wanted = {**config, **kwargs}.get("enable_progress_bar") is not False
-        if wanted and not any(isinstance(callback, ProgressBar) for callback in callbacks):
-            kwargs["callbacks"] = [*callbacks, rollout_progress_bar()]
-        return super().instantiate_trainer(**kwargs)
+        config turns the bar off or brings its own, and the run's checkpoint unless
+        ``trainer.enable_checkpointing`` is false."""
+        config = {**self._get(self.config_init, "trainer", default={}), **kwargs}
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(
+            isinstance(callback, ProgressBar) for callback in callbacks
+        ):
+            config["callbacks"] = callbacks = [*callbacks, rollout_progress_bar()]
+        extra = [
+            self._get(self.config_init, key) for key in self._parser(self.subcommand).callback_keys
+        ]
+        if config.get("enable_checkpointing") is False:
+            extra = [callback for callback in extra if not isinstance(callback, RunCheckpoint)]
+        return self._instantiate_trainer(config, extra)
 
     def instantiate_classes(self) -> None:
         """Build the objects; a class's ValueError is reported like a parse error (exit 2)."""
@@ -148,9 +204,11 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     check_config_files(sys.argv[1:] if args is None else args)
     quiet_lightning()
     kwargs: dict[str, Any] = {
+        "parser_class": BraceArgumentParser,
         "save_config_kwargs": {"overwrite": True},
         "auto_configure_optimizers": False,
         "parser_kwargs": {
+            "description": ROOT_HELP,
             "fit": {"description": f"Train with PPO. {DATA_HELP}"},
             "validate": {"description": f"Score on-policy rollouts. {DATA_HELP}"},
             "test": {

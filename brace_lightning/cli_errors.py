@@ -6,7 +6,15 @@ exit code 2. A value it accepts but a class refuses in ``__init__`` (``--data.pr
 ending in a dump of the whole data namespace. :func:`construction_errors` turns such a ValueError
 into ``error: <option>: <the class's sentence>`` (exit 2, no traceback): the sentence is the
 innermost error of the chain, the class is the innermost ``__init__`` of its traceback, and the
-option is the config key of that class whose name the sentence mentions.
+option is the config key of that class whose name the sentence mentions. When that error was caused
+by another kind (a missing package's ``ImportError`` with its install hint), the cause's message
+follows the sentence (:func:`construction_sentence`).
+
+:func:`unknown_option_sentence` completes jsonargparse's ``unrecognized arguments`` with the closest
+known option ("did you mean") and, for LightningCLI's ``--optimizer``/``--lr_scheduler`` (not
+offered: the two networks have their own), the module's options; :func:`refused_trainer_options`
+refuses trainer options the module replaces (``accumulate_grad_batches``) in one sentence, and
+:func:`validation_without_batches` a ``validate`` that would score no batch.
 
 :func:`check_config_files` reads every ``--config`` file as YAML before the parser does, so a
 malformed file is reported with its path (the parser only names ``"<unicode string>"``).
@@ -19,6 +27,7 @@ on a BRACE checkpoint), for the CLI to refuse in one sentence.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import inspect
 import re
 import sys
@@ -92,6 +101,22 @@ def fail(parser: Any, message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def construction_sentence(error: BaseException) -> str:
+    """The first line of ``error``'s message, then the whole message of its cause when that is
+    not a ValueError (``Problem with given class_path '...WandbLogger': Requirement 'wandb' not met.
+    HINT: Try running `pip install ...```): the line alone would drop the reason."""
+    sentence = str(error).strip().splitlines()[0]
+    cause = error.__cause__
+    if cause is not None and not isinstance(cause, ValueError):
+        reason = " ".join(line.strip() for line in str(cause).strip().splitlines())
+        reason = reason or type(cause).__name__
+        # "Problem with given class_path '...':" announces its reason; a full sentence gets it after
+        sentence = (
+            f"{sentence[:-1]}: {reason}" if sentence.endswith(":") else f"{sentence} ({reason})"
+        )
+    return sentence
+
+
 @contextlib.contextmanager
 def construction_errors(parser: Any, config: Any) -> Iterator[None]:
     """Report a ValueError raised inside the block as ``error: <option>: <sentence>``, exit 2."""
@@ -100,8 +125,110 @@ def construction_errors(parser: Any, config: Any) -> Iterator[None]:
     except ValueError as error:
         inner = _innermost(error)
         option = option_of(inner, config, _raising_class(inner))
-        sentence = str(inner).strip().splitlines()[0]
+        sentence = construction_sentence(inner)
         fail(parser, f"{option}: {sentence}" if option else sentence)
+
+
+#: LightningCLI's optimizer options that this CLI does not offer, and the module's own.
+MODULE_OPTIMIZATION = {
+    "--optimizer": (
+        "--model.actor_optimizer and --model.critic_optimizer (e.g. --model.actor_optimizer "
+        "torch.optim.AdamW --model.actor_optimizer.lr 1e-5)"
+    ),
+    "--lr_scheduler": (
+        "--model.actor_scheduler and --model.critic_scheduler, stepped once per rollout step "
+        "(e.g. --model.actor_scheduler torch.optim.lr_scheduler.CosineAnnealingLR "
+        "--model.actor_scheduler.T_max 100)"
+    ),
+}
+
+
+def unknown_option_sentence(message: str, known: Sequence[str]) -> str:
+    """``message`` (jsonargparse's ``unrecognized arguments: --x 1 ...``) with, per unknown
+    ``--option``, the module's own options for ``--optimizer``/``--lr_scheduler`` or the closest
+    of the ``known`` option strings ("did you mean ..."); other messages are returned unchanged."""
+    prefix = "unrecognized arguments:"
+    if not message.startswith(prefix):
+        return _unaccepted_init_arg(message)
+    hints = []
+    for word in message[len(prefix) :].split():
+        option = word.split("=", 1)[0]
+        if not option.startswith("--"):
+            continue
+        top = option.split(".", 1)[0]
+        if top in MODULE_OPTIMIZATION:
+            hints.append(
+                f"{option} is not offered: the actor and the critic have their own, "
+                f"{MODULE_OPTIMIZATION[top]}"
+            )
+            continue
+        close = difflib.get_close_matches(option, known, n=1, cutoff=0.8)
+        if close:
+            hints.append(f"did you mean {close[0]} (not {option})?")
+    return f"{message.rstrip('.')}; {'; '.join(hints)}" if hints else message
+
+
+_UNACCEPTED = re.compile(
+    r"Parser key \"(?P<key>[\w.]+)\".*?class_path '(?P<cls>[\w.]+)'.*?"
+    r"Option '(?P<option>\w+)' is not accepted",
+    re.DOTALL,
+)
+
+
+def _unaccepted_init_arg(message: str) -> str:
+    """jsonargparse's "Option 'x' is not accepted" for a class chosen by ``class_path`` (the data
+    module's ``--data.x``), with a last line naming the closest argument of that class."""
+    match = _UNACCEPTED.search(message)
+    if match is None:
+        return message
+    try:
+        module, _, name = match["cls"].rpartition(".")
+        cls = getattr(__import__(module, fromlist=[name]), name)
+    except (ImportError, AttributeError, ValueError):
+        return message
+    known = {p for klass in inspect.getmro(cls) for p in _init_parameters(klass)}
+    close = difflib.get_close_matches(match["option"], sorted(known), n=1, cutoff=0.8)
+    if not close:
+        return message
+    key = match["key"]
+    return f"{message}\ndid you mean --{key}.{close[0]} (not --{key}.{match['option']})?"
+
+
+def _init_parameters(klass: type) -> list[str]:
+    init = klass.__dict__.get("__init__")
+    if init is None:
+        return []
+    try:
+        parameters = inspect.signature(init).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    kinds = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return [p.name for p in parameters if p.name != "self" and p.kind not in kinds]
+
+
+#: Trainer options the module's own arguments replace: option -> (allowed values, pointer).
+REPLACED_TRAINER_OPTIONS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "accumulate_grad_batches": (
+        (None, 1),
+        "the PPO update accumulates gradients itself: set --model.num_minibatches (optimizer "
+        "steps per rollout batch), --model.micro_batch_size or "
+        "--model.max_tokens_per_micro_batch (rows or tokens per forward/backward)",
+    ),
+    "gradient_clip_val": (
+        (None, 0),
+        "each network's gradient norm is clipped by --model.max_grad_norm",
+    ),
+}
+
+
+def refused_trainer_options(config: Any) -> str | None:
+    """The sentence refusing the first trainer option of :data:`REPLACED_TRAINER_OPTIONS` set to a
+    value it does not allow in ``config`` (a subcommand's namespace), or None."""
+    for name, (allowed, pointer) in REPLACED_TRAINER_OPTIONS.items():
+        value = config.get(f"trainer.{name}")
+        if value not in allowed:
+            return f"--trainer.{name}={value} is not used by BraceModule: {pointer}."
+    return None
 
 
 def check_engine_factory(factory: Any) -> None:
@@ -176,3 +303,17 @@ def overridden_option(
             f"ckpt_path={str(ckpt_path)!r}: resume with the checkpoint's value or start a new run."
         )
     return None
+
+
+def validation_without_batches(subcommand: str | None, config: Any) -> str | None:
+    """The sentence refusing ``validate`` with ``data.val_batches`` 0 (it would score nothing and
+    exit 0 in silence), or None; data modules without ``val_batches`` are left to themselves."""
+    if subcommand != "validate":
+        return None
+    val_batches = config.get("data.init_args.val_batches")
+    if val_batches is None or val_batches != 0:
+        return None
+    return (
+        "validate scores on-policy rollouts but --data.val_batches is 0: set --data.val_batches N "
+        "(rollout batches of prompts_per_step prompts to sample and score, e.g. 2)."
+    )

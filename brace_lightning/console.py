@@ -8,11 +8,19 @@ Each silenced message is named with its cause; nothing is filtered by category o
 * Two warnings about the ``dataloader_iter`` argument of ``training_step``: the module takes exactly
   one rollout batch from the iterator per step (a step is one PPO update), so ``batch_idx`` and the
   loop's counters are right — the case the warnings say is safe.
+* ``ModelCheckpoint`` with manual optimization and ``every_n_train_steps`` "will contain the model
+  state AFTER optimization" (13 lines with example code): a checkpoint after rollout step n holds
+  the weights and counters after that step's update, which is what resuming at step n + 1 needs.
 * ``isinstance(treespec, LeafSpec)`` is deprecated: Lightning's own ``_pytree`` helper on the torch
   version this project pins; nothing a user can change.
 * The progress bar's ``v_num`` (the log folder's number, formatted as a metric): the
   :func:`rollout_progress_bar` shows the rollout metrics only (reward, KL(µ‖π), staleness,
   tokens/s, as :mod:`brace_lightning.step_metrics` logs them to the bar).
+
+A reward function that raises on every sample would print one warning per sample (1,280 in a
+40-step quickstart): :class:`ErrorsOnce` logs each distinct error (type and message) once per
+process, with its traceback and how many samples of the batch it hit; the drops stay counted in
+``data/count/dropped_reward_error``.
 
 The empty validation loader's "Total length of `list` across ranks is zero" is avoided at its
 cause (the data modules set ``limit_val_batches = 0`` when ``val_batches`` is 0), and vLLM's own
@@ -23,7 +31,8 @@ from __future__ import annotations
 
 import logging
 import warnings
-from typing import Any
+from collections import Counter
+from typing import Any, ClassVar
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar, TQDMProgressBar
@@ -33,6 +42,7 @@ from lightning.pytorch.utilities.imports import _RICH_AVAILABLE
 HARMLESS_WARNINGS = (
     r"You are using the `dataloader_iter` step flavor",
     r"Found `dataloader_iter` argument in the `training_step`",
+    r"Using ModelCheckpoint with manual optimization and every_n_train_steps",
     r"`isinstance\(treespec, LeafSpec\)` is deprecated",
 )
 
@@ -97,3 +107,50 @@ class RolloutTQDMProgressBar(TQDMProgressBar):
 def rollout_progress_bar() -> ProgressBar:
     """The bar Lightning would pick (rich when installed, else tqdm), without ``v_num``."""
     return RolloutRichProgressBar() if _RICH_AVAILABLE else RolloutTQDMProgressBar()
+
+
+class ErrorsOnce:
+    """Collects the errors of one batch of calls (a reward function over a rollout batch) and
+    logs each distinct one (same function, type and message) once per process, with its
+    traceback and its count in the batch; a repeat is logged at DEBUG level only.
+
+    Args:
+        what: names the calls in the message (``"reward ExactMatch"``).
+        log: the logger to write to (the caller's).
+    """
+
+    #: (what, error type, message) already shown in this process.
+    shown: ClassVar[set[tuple[str, str, str]]] = set()
+
+    def __init__(self, what: str, log: logging.Logger) -> None:
+        self.what = what
+        self.log = log
+        self.errors: list[BaseException] = []
+
+    def add(self, error: BaseException) -> None:
+        self.errors.append(error)
+
+    def report(self, total: int, consequence: str) -> None:
+        """Log the new errors among the collected ones, ``total`` calls in all, each followed by
+        ``consequence`` (what happened to the samples)."""
+        counts = Counter((type(e).__name__, str(e)) for e in self.errors)
+        first = {(type(e).__name__, str(e)): e for e in reversed(self.errors)}
+        for (kind, message), count in counts.items():
+            key = (self.what, kind, message)
+            if key in ErrorsOnce.shown:
+                self.log.debug(
+                    "%s raised %s on %d of %d samples again", self.what, kind, count, total
+                )
+                continue
+            ErrorsOnce.shown.add(key)
+            self.log.warning(
+                "%s raised %s: %s on %d of %d samples of a rollout batch; %s (this error is "
+                "shown once, with its traceback):",
+                self.what,
+                kind,
+                message,
+                count,
+                total,
+                consequence,
+                exc_info=first[(kind, message)],
+            )

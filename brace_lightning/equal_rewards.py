@@ -57,8 +57,8 @@ def equal_reward_groups(scores: torch.Tensor, group_ids: torch.Tensor) -> torch.
     _, group = torch.unique(group_ids, return_inverse=True)
     scores = scores.detach().float()
     size = len(group_ids)
-    group_max = torch.full((size,), -torch.inf, device=scores.device)
-    group_min = torch.full((size,), torch.inf, device=scores.device)
+    group_max = torch.full((size,), -torch.inf, dtype=scores.dtype, device=scores.device)
+    group_min = torch.full((size,), torch.inf, dtype=scores.dtype, device=scores.device)
     group_max = group_max.scatter_reduce(0, group, scores, reduce="amax")
     group_min = group_min.scatter_reduce(0, group, scores, reduce="amin")
     return (group_max == group_min)[group]

@@ -75,7 +75,8 @@ class BraceModule(pl.LightningModule):
         critic_loss: the critic loss (clipped value loss, ε_v = 0.5 by default).
         actor_optimizer: builds the actor's optimizer; default AdamW(lr=1e-6) (paper).
         critic_optimizer: builds the critic's optimizer; default AdamW(lr=1e-5) (paper).
-        actor_scheduler: optional LR scheduler of the actor's optimizer (stepped every optimizer step).
+        actor_scheduler: optional LR scheduler of the actor's optimizer (stepped once per rollout step
+            in which the actor stepped, so its period is in rollout steps).
         critic_scheduler: optional LR scheduler of the critic's optimizer.
         critic_from_actor: initialise the critic's backbone from the actor's (else random).
         ppo_epochs: passes over each rollout batch.
@@ -273,7 +274,8 @@ class BraceModule(pl.LightningModule):
         train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
         lr_scale = actor_lr_scale(self.actor_step_size, batch, scored, self.ranks, kl_metrics)
         stats = UpdateStats()
-        with timer("update"):
+        # One global step and one scheduler step per rollout step (optim.py).
+        with timer("update"), optim.rollout_update(self, (train_actor, True)):
             for _ in range(self.ppo_epochs):
                 order = torch.randperm(len(batch), generator=self._shuffle).to(self.device)
                 for rows in order.tensor_split(self.num_minibatches):
@@ -420,7 +422,6 @@ class BraceModule(pl.LightningModule):
             stats.append("actor/grad_norm", self._clipped_step(self.actor, actor_opt, lr_scale))
             if self.ewma is not None:
                 self.ewma.update(self.actor)
-        optim.step_schedulers(self, actor_stepped=train_actor)
 
     def validation_step(self, batch: RolloutBatch, batch_idx: int) -> None:
         """Log on-policy rollouts of held-out prompts: reward, mean@n, pass@k, the critic's scores."""
@@ -440,6 +441,9 @@ class BraceModule(pl.LightningModule):
         self, model: nn.Module, optimizer: Any, lr_scale: float | None = None
     ) -> torch.Tensor:
         return optim.clipped_step(model, optimizer, self.max_grad_norm, self.device, lr_scale)
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        optim.clip_before_step(optimizer)  # gradients unscaled by the precision plugin (optim.py)
 
     def _backward(self, what: str, loss: torch.Tensor) -> None:
         require_finite_loss(what, loss, rollout_step=self.rollout_step)

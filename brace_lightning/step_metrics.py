@@ -9,7 +9,7 @@
 ``sync_dist`` is needed. Logging them with ``self.log_dict`` (not ``logger.log_metrics``) puts them
 in ``trainer.callback_metrics``, where ``ModelCheckpoint(monitor="rollout/reward")`` and
 ``EarlyStopping`` find them. A logged ``"step"`` key sets the logger's x-axis (Lightning's
-convention), so TensorBoard stays indexed by rollout step rather than by optimizer step;
+convention): the rollout step, which is also ``trainer.global_step`` (``optim.py``);
 ``trainer.log_every_n_steps`` applies as usual (the configs set 1).
 """
 
@@ -298,8 +298,8 @@ def log_training_step(
     statistics, β, the rollout and optimizer statistics, the scoring phase's ``scoring`` metrics,
     the folded update ``stats``, the phases' times (``time/<phase>_ms``, ``perf/update_tokens_per_s``)
     and the data module's info, combined over ranks; every
-    :data:`SAMPLES_EVERY_N_STEPS` steps a few completions. The x-axis is the rollout step, not
-    Lightning's global_step (which counts every optimizer step of both networks)."""
+    :data:`SAMPLES_EVERY_N_STEPS` steps a few completions. The x-axis is the rollout step (the
+    logged ``"step"``), which is also Lightning's global_step (``optim.one_global_step``)."""
     for name, seconds in timer.seconds.items():
         stats.append(f"time/{name}_ms", seconds * 1e3)
     tokens = batch.attention_mask.sum() * module.ppo_epochs

@@ -24,7 +24,7 @@ from brace_lightning.rollout.buffer import (
 )
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.targets import BRACE, GRPO, RLOO, DrGRPO
-from tests.test_trainer import CONFIGS, actor_weights, small_run, stop_and_checkpoint_at_step_10
+from tests.test_trainer import CONFIGS, actor_weights, small_run, stop_and_checkpoint_at
 
 PARITY = "--data.reward=tests.test_trainer.ParityReward"  # rewards with spread from a random model
 OBJECTIVES = sorted((CONFIGS / "objectives").glob("*.yaml"))
@@ -124,13 +124,13 @@ def test_loss_aggregation_changes_the_update(tmp_path):
 @pytest.mark.slow
 def test_checkpoint_has_no_critic_and_resumes_exactly_and_exports_the_actor_alone(tmp_path):
     common = ["--model.value_target=GRPO", PARITY, "--model.ppo_epochs=1"]
-    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
+    save = stop_and_checkpoint_at(tmp_path / "ckpt", 5)
     first = run(small_run(tmp_path / "first", *common, *save, steps=6))
     (checkpoint,) = (tmp_path / "ckpt").iterdir()
     state = load_checkpoint(checkpoint)
     assert not [k for k in state["state_dict"] if not k.startswith("actor.")]
     assert len(state["optimizer_states"]) == 1
-    assert first.model.rollout_step == 5  # 2 minibatches x 1 epoch, actor only: 10 steps = 5
+    assert first.model.rollout_step == 5  # global_step counts rollout steps
     resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=6))
     reference = run(small_run(tmp_path / "reference", *common, steps=6))
     a, b = actor_weights(reference), actor_weights(resumed)

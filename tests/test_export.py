@@ -51,7 +51,8 @@ def _assert_same_outputs(module, out: Path) -> None:
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory: pytest.TempPathFactory):
-    """A short quickstart run (checkpoint on) that also exports at fit end; (cli, root)."""
+    """A short quickstart run (its last.ckpt: callbacks.RunCheckpoint) that also exports at fit
+    end; (cli, root)."""
     root = tmp_path_factory.mktemp("run")
     cli = run(
         small_run(
@@ -66,7 +67,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory):
 
 def test_export_of_a_checkpoint_file_matches_the_trainer(trained, tmp_path: Path) -> None:
     cli, _ = trained
-    ckpt = Path(cli.trainer.checkpoint_callback.best_model_path)
+    ckpt = Path(cli.trainer.checkpoint_callback.last_model_path)
     assert ckpt.is_file()
     out = export_checkpoint(ckpt, tmp_path / "exported")
     _assert_same_outputs(cli.model, out)
@@ -142,7 +143,7 @@ def _leftovers(folder: Path) -> list[str]:
 
 def test_export_refuses_a_non_empty_or_file_target_without_overwrite(trained, tmp_path: Path):
     cli, _ = trained
-    ckpt = Path(cli.trainer.checkpoint_callback.best_model_path)
+    ckpt = Path(cli.trainer.checkpoint_callback.last_model_path)
     used = tmp_path / "used"
     (used / "actor").mkdir(parents=True)
     (used / "actor" / "chat_template.jinja").write_text("{{ 'stale' }}")
@@ -187,7 +188,7 @@ def test_export_refuses_a_non_empty_or_file_target_without_overwrite(trained, tm
 
 def test_a_failed_export_leaves_no_half_folder(trained, tmp_path: Path, monkeypatch) -> None:
     cli, _ = trained
-    ckpt = Path(cli.trainer.checkpoint_callback.best_model_path)
+    ckpt = Path(cli.trainer.checkpoint_callback.last_model_path)
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")

@@ -32,7 +32,7 @@ from tests.test_async import (
     gone,
     trainer_with_producer,
 )
-from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
+from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at
 
 # ---------------------------------------------------------------------------- empty batches (17.2)
 
@@ -290,7 +290,7 @@ def test_resuming_with_the_other_data_module_is_refused(
 ):
     """Sync checkpoint + async module used to restart at version 0 and die 4 versions stale; async
     checkpoint + sync module neither trained nor counted the buffered samples."""
-    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
+    save = stop_and_checkpoint_at(tmp_path / "ckpt", 5)
     first = run(small_run(tmp_path / "first", *save_with, *ONE_UPDATE, *save, steps=5))
     assert first.model.rollout_step == 5
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # named by rollout step

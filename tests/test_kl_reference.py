@@ -38,7 +38,7 @@ from brace_lightning.targets import GAE
 from tests.support.dist_support import one_process_group
 from tests.support.parallel_driver import _Repeat
 from tests.test_parallel import _cli, _driver
-from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at_step_10
+from tests.test_trainer import CONFIGS, small_run, stop_and_checkpoint_at
 
 OVERLAY = ["--config", str(CONFIGS / "objectives" / "kl_reference.yaml")]
 WARM_START = [
@@ -459,8 +459,7 @@ def test_cli_fit_with_the_overlay_logs_kl_to_the_warm_started_policy(tmp_path: P
 def test_a_resumed_run_keeps_the_initial_reference_and_equals_the_straight_run(
     tmp_path: Path,
 ) -> None:
-    # As tests/test_trainer.py's resume test: max_steps=10 optimizer steps stop after rollout
-    # step 3. The warm start makes the initial policy differ from the model's seed init, and a
+    # As tests/test_trainer.py's resume test: stopped after rollout step 3. The warm start makes the initial policy differ from the model's seed init, and a
     # resumed run skips it: only the checkpoint knows the initial policy.
     common = [
         *OVERLAY,
@@ -474,7 +473,7 @@ def test_a_resumed_run_keeps_the_initial_reference_and_equals_the_straight_run(
     straight = run(small_run(tmp_path / "straight", *common, steps=4))
     first = run(
         small_run(
-            tmp_path / "first", *common, *stop_and_checkpoint_at_step_10(tmp_path / "ckpt"), steps=4
+            tmp_path / "first", *common, *stop_and_checkpoint_at(tmp_path / "ckpt", 3), steps=4
         )
     )
     assert first.model.rollout_step == 3

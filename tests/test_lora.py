@@ -343,7 +343,7 @@ def test_a_missing_peft_on_the_command_line_is_one_error_line(
     assert info.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: model.lora needs the `peft` package: pip install -e '.[lora]' (or pip install "
-        "'peft>=0.21'), or leave model.lora unset."
+        "'peft>=0.21'), or leave model.lora unset. (import of peft halted; None in sys.modules)"
     )
 
 

@@ -22,7 +22,7 @@ from tests.test_trainer import (
     CONFIGS,
     actor_weights,
     small_run,
-    stop_and_checkpoint_at_step_10,
+    stop_and_checkpoint_at,
 )
 
 TARGETS = {"gae": "GAE", "vtrace": "VTrace", "brace": "BRACE"}
@@ -191,8 +191,7 @@ def test_ewma_logprobs_are_the_proximal_policy_and_their_forward_is_timed(tmp_pa
 
 @pytest.mark.slow
 def test_ewma_weights_are_checkpointed_and_resume_exactly(tmp_path: Path) -> None:
-    # As tests/test_trainer.py's resume test: max_steps=10 optimizer steps stop after rollout
-    # step 3 (one critic warm-up step with 2 optimizer steps, then 4 per rollout step).
+    # As tests/test_trainer.py's resume test: stopped after rollout step 3.
     common = [
         *overlays("ewma", "brace"),
         "--data.lag=1",
@@ -200,7 +199,7 @@ def test_ewma_weights_are_checkpointed_and_resume_exactly(tmp_path: Path) -> Non
         "--trainer.limit_train_batches=4",
     ]
     straight = run(small_run(tmp_path / "straight", *common, steps=4))
-    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
+    save = stop_and_checkpoint_at(tmp_path / "ckpt", 3)
     first = run(small_run(tmp_path / "first", *common, *save, steps=4))
     assert first.model.rollout_step == 3 and int(first.model.ewma.steps) == 4
     (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")  # named by rollout step

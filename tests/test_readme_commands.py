@@ -197,18 +197,21 @@ def _size_args(line: str) -> list[str]:
 
 
 def _checkpoint_dirs(line: str) -> set[Path]:
-    """The ``dirpath`` of the line's ModelCheckpoint callbacks; a command-line
-    ``--trainer.callbacks.init_args.dirpath`` replaces the last callback's (docs/lora.md)."""
+    """The checkpoint folders a line names: the run's (``checkpoint.dirpath`` in its ``--config``
+    files or on the command line) and its ModelCheckpoint callbacks'."""
     words = _words(line)
-    callbacks = [dict(c, init_args=dict(c.get("init_args") or {})) for c in _callbacks(words)]
-    overrides = _option(words, "--trainer.callbacks.init_args.dirpath")
-    if overrides and callbacks:
-        callbacks[-1]["init_args"]["dirpath"] = overrides[-1]
-    return {
+    callbacks = _callbacks(words)
+    folders = {
         Path(c["init_args"]["dirpath"])
         for c in callbacks
         if c["class_path"].endswith("ModelCheckpoint") and "dirpath" in c["init_args"]
     }
+    for config in _option(words, "--config"):
+        checkpoint = (yaml.safe_load((REPO / config).read_text()) or {}).get("checkpoint") or {}
+        if checkpoint.get("dirpath"):
+            folders.add(Path(checkpoint["dirpath"]))
+    folders.update(Path(folder) for folder in _option(words, "--checkpoint.dirpath"))
+    return folders
 
 
 def _event_files(root: Path) -> set[Path]:

@@ -27,8 +27,8 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     save = [
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={tmp_path / 'ckpt'}",
-        "--trainer.callbacks.every_n_train_steps=4",
-        "--trainer.max_steps=4",
+        "--trainer.callbacks.every_n_train_steps=1",
+        "--trainer.max_steps=1",
     ]
     first = run(small_run(tmp_path, *COMMON, *save, steps=2))
     assert first.model.rollout_step == 1

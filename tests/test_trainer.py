@@ -39,14 +39,15 @@ def small_run(tmp_path: Path, *extra: str, steps: int = 2) -> list[str]:
     ]
 
 
-def stop_and_checkpoint_at_step_10(dirpath: Path) -> list[str]:
-    """CLI args that stop the run after 10 optimizer steps and save a checkpoint there."""
+def stop_and_checkpoint_at(dirpath: Path, rollout_step: int) -> list[str]:
+    """CLI args that stop the run after ``rollout_step`` rollout steps (``trainer.global_step``
+    counts rollout steps) and save a checkpoint there."""
     return [
         "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
         f"--trainer.callbacks.dirpath={dirpath}",
-        "--trainer.callbacks.every_n_train_steps=10",
+        f"--trainer.callbacks.every_n_train_steps={rollout_step}",
         "--trainer.callbacks.save_top_k=-1",
-        "--trainer.max_steps=10",
+        f"--trainer.max_steps={rollout_step}",
     ]
 
 
@@ -165,8 +166,6 @@ def test_gradient_accumulation_equals_one_big_batch(tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("lag", [0, 2])
 def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
-    # Two minibatches per rollout step; global_step counts every optimizer step: 2 during the
-    # critic warm-up step, then 4 (actor and critic), so max_steps=10 stops after rollout step 3.
     common = [
         "--data.lag",
         str(lag),
@@ -175,10 +174,10 @@ def test_resume_from_a_mid_run_checkpoint_is_exact(tmp_path, lag):
         "--trainer.limit_train_batches=4",
     ]
     straight = run(small_run(tmp_path / "straight", *common, steps=4))
-    save = stop_and_checkpoint_at_step_10(tmp_path / "ckpt")
+    save = stop_and_checkpoint_at(tmp_path / "ckpt", 3)
     first = run(small_run(tmp_path / "first", *common, *save, steps=4))
     assert first.model.rollout_step == 3
-    # Saved at optimizer step 10; named by the rollout step (the TensorBoard x-axis), here 3.
+    # Saved and named at rollout step 3 (global_step and the TensorBoard x-axis).
     checkpoint = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
     assert [path.name for path in (tmp_path / "ckpt").iterdir()] == [checkpoint.name]
     resumed = run(small_run(tmp_path / "resumed", *common, f"--ckpt_path={checkpoint}", steps=4))

@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torchmetrics import Metric, MetricCollection
 
+from brace_lightning.metrics.base import KeptDtypeMetric
 from brace_lightning.metrics.functional import (
     action_index,
     bin_index,
@@ -83,7 +84,7 @@ class Binned(NamedTuple):
     edges: torch.Tensor
 
 
-class ValueBiasGap(Metric):
+class ValueBiasGap(KeptDtypeMetric):
     """ĝ_π: mean absolute gap between the critic and a reference value over actions (paper Fig. 4a).
 
         ĝ_π = (1 / N) Σ_{actions} |V(s_t) − V_ref(s_t)|
@@ -119,7 +120,7 @@ class ValueBiasGap(Metric):
         return self.abs_sum / self.count
 
 
-class ValueSquaredError(Metric):
+class ValueSquaredError(KeptDtypeMetric):
     """Mean squared error of the critic to a reference over actions: the proper critic score.
 
         MSE = (1 / N) Σ_{actions} (V(s_t) − G_t)²
@@ -157,7 +158,7 @@ class ValueSquaredError(Metric):
         return self.square_sum / self.count
 
 
-class SignedValueBias(Metric):
+class SignedValueBias(KeptDtypeMetric):
     """Signed mean gap mean(V(s_t) − G_t) over the actions whose action index n_t is in
     ``[start, stop)``: the estimate of the paper's ĝ_π with its sign, by position (b(s_t) when the
     critic has converged to V^µ and G is on-policy).
@@ -234,7 +235,7 @@ def critic_scores(
     return MetricCollection(metrics, prefix=prefix, compute_groups=False)
 
 
-class SeparationByPosition(Metric):
+class SeparationByPosition(KeptDtypeMetric):
     """b̂ by position: mean of b(s_t) = V^π(s_t) − V^µ(s_t) in bins of action index (paper Fig. 2a).
 
     The difference is given by the caller (exact in the simulator, or any estimate); positions are
@@ -280,7 +281,7 @@ class SeparationByPosition(Metric):
         return Binned(value, self.count, defined, self.edges)
 
 
-class HorizonBeta(Metric):
+class HorizonBeta(KeptDtypeMetric):
     """β by remaining horizon: least-squares slope of a value target on the realized return (Fig. 2b).
 
     Within each bin of remaining horizon h_t (actions from t to the row's end, 1 at the last

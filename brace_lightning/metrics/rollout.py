@@ -11,15 +11,15 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
-from torchmetrics import Metric
 
 from brace_lightning.checks import require_bool
+from brace_lightning.metrics.base import KeptDtypeMetric
 from brace_lightning.metrics.functional import check_mask
 
 __all__ = ["ImportanceWeightStats", "StalenessHistogram", "StalenessSummary"]
 
 
-class ImportanceWeightStats(Metric):
+class ImportanceWeightStats(KeptDtypeMetric):
     """Statistics of the per-token importance weights w = π/µ at actions.
 
     ``compute()`` returns a dict of 0-dim float64 tensors (ready for ``log_dict``), NaN before any
@@ -161,7 +161,7 @@ class StalenessSummary(NamedTuple):
     max: torch.Tensor
 
 
-class StalenessHistogram(Metric):
+class StalenessHistogram(KeptDtypeMetric):
     """Histogram of policy-version gaps of the data a training step consumes.
 
     Per sample (default) the staleness is ``trainer_version − min(versions over the row's

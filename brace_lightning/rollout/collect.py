@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from brace_lightning.console import ErrorsOnce
 from brace_lightning.rollout.engine import GenerationOutput, RolloutEngine
 from brace_lightning.rollout.reward_timeout import (
     RewardDeadline,
@@ -138,6 +139,7 @@ def score_and_pad(
     kept, scores, correct = [], [], []
     dropped = timed_out = 0
     name = type(reward_fn).__name__
+    errors = ErrorsOnce(f"reward {name}", logger)  # one traceback per distinct error (console.py)
     # a batched reward gets reward_timeout seconds per sample for its one call
     limit = None if reward_timeout is None else reward_timeout * _calls_per_sample(reward_fn, out)
     deadline = None if limit is None else RewardDeadline(limit, name, heartbeat)
@@ -161,11 +163,12 @@ def score_and_pad(
             except Exception as error:  # a user's verifier must not kill the run
                 dropped += 1
                 timed_out += isinstance(error, RewardTimeout)
-                logger.warning("Dropping sample %d (prompt %d): reward error: %r", i, index, error)
+                errors.add(error)
                 continue
             kept.append(i)
             scores.append(score)
             correct.append(is_correct)
+    errors.report(len(out), "dropped, counted in data/count/dropped_reward_error")
     if timed_out and timed_out == len(out):
         raise RuntimeError(
             f"every one of the {len(out)} samples of a rollout batch timed out in the reward "
