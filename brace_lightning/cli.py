@@ -27,7 +27,7 @@ from typing import Any
 from jsonargparse import Namespace
 from lightning.pytorch import LightningDataModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 
 import brace_lightning
 from brace_lightning.callbacks import RunCheckpoint
@@ -78,6 +78,42 @@ class BraceArgumentParser(LightningArgumentParser):
         return super().error(
             unknown_option_sentence(message, _option_strings(self)), *args, **kwargs
         )
+
+
+#: Option names whose values are secrets: never written to the run's saved ``config.yaml``.
+SECRET_OPTIONS = ("api_key",)
+
+
+def without_secrets(value: Any) -> Any:
+    """A copy of ``value`` (a parsed config: Namespaces, dicts, lists) whose options named in
+    :data:`SECRET_OPTIONS` are None, at any depth; ``value`` itself is left as it is."""
+    if isinstance(value, Namespace | dict):
+        copy = value.clone() if isinstance(value, Namespace) else dict(value)
+        for key in list(copy.keys()) if isinstance(copy, dict) else list(vars(copy)):
+            item = copy[key] if isinstance(copy, dict) else getattr(copy, key)
+            item = None if key in SECRET_OPTIONS else without_secrets(item)
+            if isinstance(copy, dict):
+                copy[key] = item
+            else:
+                setattr(copy, key, item)
+        return copy
+    if isinstance(value, list | tuple):
+        return type(value)(without_secrets(item) for item in value)
+    return value
+
+
+class SaveConfigWithoutSecrets(SaveConfigCallback):
+    """LightningCLI's ``config.yaml`` writer with every ``api_key`` saved as null: the run's
+    folder is often shared (TensorBoard, reports) and the vLLM servers' secret must not travel with
+    it. A rerun of the saved config reads the key from ``BRACE_VLLM_API_KEY`` instead."""
+
+    def setup(self, trainer: Trainer, pl_module: Any, stage: str) -> None:
+        config = self.config
+        self.config = without_secrets(config)
+        try:
+            super().setup(trainer, pl_module, stage)
+        finally:
+            self.config = config
 
 
 #: Shown at the top of ``--help``: ``export`` is its own command, not a LightningCLI subcommand.
@@ -205,6 +241,7 @@ def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     quiet_lightning()
     kwargs: dict[str, Any] = {
         "parser_class": BraceArgumentParser,
+        "save_config_callback": SaveConfigWithoutSecrets,
         "save_config_kwargs": {"overwrite": True},
         "auto_configure_optimizers": False,
         "parser_kwargs": {

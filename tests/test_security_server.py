@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -215,3 +216,31 @@ def test_the_middleware_reads_its_secret_from_the_environment_and_needs_one(monk
             monkeypatch.setenv(API_KEY_ENV, value)
         with pytest.raises(ValueError, match=rf"no secret \({API_KEY_ENV} is unset or empty\)"):
             SecretMiddleware(app)
+
+
+def test_the_saved_run_config_never_holds_an_api_key(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from jsonargparse import ArgumentParser
+
+    from brace_lightning.cli import SaveConfigWithoutSecrets
+
+    parser = ArgumentParser()
+    parser.add_argument("--data.init_args.engine.init_args.api_key", type=str | None)
+    parser.add_argument("--data.init_args.engine.init_args.urls", type=list[str])
+    parser.add_argument("--trainer.callbacks", type=list[dict] | None)
+    config = parser.parse_args(
+        [
+            "--data.init_args.engine.init_args.api_key=s3cret-key",
+            "--data.init_args.engine.init_args.urls=[http://h:8000]",
+            '--trainer.callbacks=[{"init_args": {"api_key": "other-key"}}]',
+        ]
+    )
+    strategy = SimpleNamespace(broadcast=lambda value: value)
+    trainer = SimpleNamespace(log_dir=str(tmp_path), is_global_zero=True, strategy=strategy)
+    callback = SaveConfigWithoutSecrets(parser, config, overwrite=True)
+    callback.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    saved = (tmp_path / "config.yaml").read_text()
+    assert "s3cret" not in saved and "other-key" not in saved
+    assert "http://h:8000" in saved  # everything else is kept
+    assert config.data.init_args.engine.init_args.api_key == "s3cret-key"  # the run keeps its key
