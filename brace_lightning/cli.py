@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from jsonargparse import Namespace
@@ -35,6 +37,7 @@ from brace_lightning.checkpoints import check_ckpt_path
 from brace_lightning.cli_errors import (
     check_config_files,
     check_engine_factory,
+    config_paths,
     construction_errors,
     fail,
     overridden_option,
@@ -49,6 +52,7 @@ from brace_lightning.run_names import (
     place_under_root_dir,
     resume_in_run_folder,
 )
+from brace_lightning.tasks.base import RECIPE_ROOTS, project_root
 
 #: Shown at the top of ``fit --help`` and ``validate --help``: the data module's own arguments are
 #: listed by ``--data.help``, since ``data`` is chosen by class.
@@ -232,12 +236,27 @@ class BraceCLI(LightningCLI):
             check_engine_factory(getattr(self.datamodule, "engine_factory", None))
 
 
+def add_recipe_roots(args: Sequence[str]) -> None:
+    """Put the project folder of each ``--config`` file (``tasks.base.project_root``) on
+    ``sys.path`` after the working directory and in ``tasks.base.RECIPE_ROOTS``, so a recipe's
+    class paths (``examples.my_reward.ExactMatch``) and relative data paths work from any folder.
+    A spawned rollout producer inherits ``sys.path``."""
+    for path in config_paths(args):
+        root = project_root(path) if Path(path).is_file() else None
+        if root is None or root in RECIPE_ROOTS:
+            continue
+        RECIPE_ROOTS.append(root)
+        if str(root) not in sys.path:
+            sys.path.append(str(root))
+
+
 def run(args: list[str] | None = None, **cli_kwargs: Any) -> BraceCLI:
     """Run the CLI on ``args`` (default ``sys.argv[1:]``) and return it (its trainer, model, data).
 
     ``cli_kwargs`` go to :class:`LightningCLI` (e.g. ``trainer_defaults={"callbacks": [...]}``).
     """
     check_config_files(sys.argv[1:] if args is None else args)
+    add_recipe_roots(sys.argv[1:] if args is None else args)
     quiet_lightning()
     kwargs: dict[str, Any] = {
         "parser_class": BraceArgumentParser,

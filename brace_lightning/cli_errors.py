@@ -258,12 +258,16 @@ def check_engine_factory(factory: Any) -> None:
         PromptLimit(cls.__name__, limit, truncation, None, given["max_new_tokens"])
 
 
+def config_paths(args: Sequence[str]) -> list[str]:
+    """The ``--config``/``-c`` files named on a command line, in order."""
+    paths = [b for a, b in zip(args, args[1:], strict=False) if a in ("--config", "-c")]
+    return paths + [a.split("=", 1)[1] for a in args if a.startswith(("--config=", "-c="))]
+
+
 def check_config_files(args: Sequence[str]) -> None:
     """Exit with ``error: --config <path>: ...`` (code 2) when a ``--config``/``-c`` file is not
     YAML."""
-    paths = [b for a, b in zip(args, args[1:], strict=False) if a in ("--config", "-c")]
-    paths += [a.split("=", 1)[1] for a in args if a.startswith(("--config=", "-c="))]
-    for path in paths:
+    for path in config_paths(args):
         file = Path(path)
         if not file.is_file():
             continue  # the parser reports a missing file itself

@@ -162,3 +162,54 @@ def test_console_script_runs_your_prompts_and_reward_from_the_working_directory(
     assert "max_epochs=1` reached" in result.stderr + result.stdout
     assert list((tmp_path / "runs").rglob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoints/my_prompts/last.ckpt").is_file()
+
+
+def test_a_relative_data_path_is_read_from_the_working_directory_then_the_recipe_roots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from brace_lightning.tasks import base
+
+    project = tmp_path / "project"
+    (project / "configs").mkdir(parents=True)
+    (project / "pyproject.toml").write_text("")
+    (project / "data.jsonl").write_text('{"prompt": "1+1=", "answer": "2"}\n')
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    monkeypatch.setattr(base, "RECIPE_ROOTS", [])
+    assert base.project_root(project / "configs" / "x.yaml") == project
+    with pytest.raises(ValueError, match="from the project folder of a --config"):
+        JSONLPrompts("data.jsonl")
+    base.RECIPE_ROOTS.append(project)
+    assert base.resolve_data_path("data.jsonl") == project / "data.jsonl"
+    assert [p.text for p in JSONLPrompts("data.jsonl").prompts] == ["1+1="]
+    (elsewhere / "data.jsonl").write_text('{"prompt": "2+2=", "answer": "4"}\n')
+    assert [p.text for p in JSONLPrompts("data.jsonl").prompts] == ["2+2="]  # the working dir wins
+
+
+@pytest.mark.slow
+def test_the_my_prompts_recipe_runs_from_any_folder(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | {"OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "brace_lightning.cli",
+            "fit",
+            "--config",
+            str(REPO / "configs" / "quickstart.yaml"),
+            "--config",
+            str(REPO / "configs" / "tasks" / "my_prompts.yaml"),
+            "--trainer.limit_train_batches=2",
+            "--data.prompts_per_step=2",
+            "--data.samples_per_prompt=2",
+            "--data.engine.init_args.max_new_tokens=8",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert (tmp_path / "checkpoints" / "my_prompts" / "last.ckpt").is_file()

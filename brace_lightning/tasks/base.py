@@ -18,9 +18,11 @@ supervised warm start trains on), so a prompt is encoded the same way everywhere
 from __future__ import annotations
 
 import copy
+import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +31,34 @@ from brace_lightning.tasks.split import MAX_REDRAWS, check_split, in_split
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+
+#: The project folders of the run's ``--config`` files (``cli.py`` fills it: for each recipe, the
+#: nearest folder above it that holds a ``pyproject.toml`` or ``.git``). A relative data path that a
+#: recipe names and the working directory lacks is looked up there (:func:`resolve_data_path`).
+RECIPE_ROOTS: list[Path] = []
+
+
+def project_root(config_file: str | os.PathLike) -> Path | None:
+    """The nearest folder above ``config_file`` holding a ``pyproject.toml`` or ``.git``; None if
+    there is none (a recipe outside any project)."""
+    for folder in Path(config_file).resolve().parents:
+        if (folder / "pyproject.toml").is_file() or (folder / ".git").exists():
+            return folder
+    return None
+
+
+def resolve_data_path(path: str | os.PathLike) -> Path:
+    """``path`` as given when it is absolute or exists from the working directory; else the first
+    of :data:`RECIPE_ROOTS` under which it exists (so ``configs/tasks/my_prompts.yaml``'s
+    ``examples/my_prompts.jsonl`` works from any folder); else as given (the caller refuses it)."""
+    file = Path(path)
+    if file.is_absolute() or file.exists():
+        return file
+    for root in RECIPE_ROOTS:
+        if (root / file).exists():
+            return root / file
+    return file
 
 
 @dataclass(frozen=True)

@@ -22,10 +22,9 @@ turn and ``system_prompt`` the system turn (``chat_template: false`` turns this 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-from brace_lightning.tasks.base import Prompt, PromptList
+from brace_lightning.tasks.base import Prompt, PromptList, resolve_data_path
 from brace_lightning.tasks.jsonl import read_jsonl, shown
 
 
@@ -144,9 +143,12 @@ class JSONLPrompts(_MappedPrompts):
         limit: int | None = None,
     ) -> None:
         self._set_mapping(prompt_field, answer_field, template, system_prompt, chat_template, limit)
-        file = Path(path)
+        file = resolve_data_path(path)
         if not file.is_file():
-            raise ValueError(f"JSONLPrompts got path={path!r}; expected an existing JSONL file.")
+            raise ValueError(
+                f"JSONLPrompts got path={path!r}; expected an existing JSONL file (a relative path "
+                "is read from the working directory, else from the project folder of a --config)."
+            )
         self._fill(read_jsonl(file), f"JSONL file {path!r}")
 
 
