@@ -310,14 +310,16 @@ def overridden_option(
 
 
 def validation_without_batches(subcommand: str | None, config: Any) -> str | None:
-    """The sentence refusing ``validate`` with ``data.val_batches`` 0 (it would score nothing and
-    exit 0 in silence), or None; data modules without ``val_batches`` are left to themselves."""
-    if subcommand != "validate":
+    """The sentence refusing ``validate`` or ``test`` with ``data.val_batches`` 0 (it would score
+    nothing and exit 0 in silence), or None; data modules without ``val_batches`` are left to
+    themselves."""
+    if subcommand not in ("validate", "test"):
         return None
     val_batches = config.get("data.init_args.val_batches")
     if val_batches is None or val_batches != 0:
         return None
     return (
-        "validate scores on-policy rollouts but --data.val_batches is 0: set --data.val_batches N "
-        "(rollout batches of prompts_per_step prompts to sample and score, e.g. 2)."
+        f"{subcommand} scores on-policy rollouts but --data.val_batches is 0: set "
+        "--data.val_batches N (rollout batches of prompts_per_step prompts to sample and score, "
+        "e.g. 2)."
     )

@@ -101,10 +101,15 @@ def test_optimization_options_point_at_the_modules_own(
     assert line.startswith("error: ") and given[0] in line and pointer in line
 
 
-def test_validate_without_val_batches_says_what_to_set(capsys: pytest.CaptureFixture[str]) -> None:
-    args = ["validate", "--config", str(CONFIGS / "quickstart.yaml")]
+@pytest.mark.parametrize("subcommand", ["validate", "test"])
+def test_validate_without_val_batches_says_what_to_set(
+    subcommand: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = [subcommand, "--config", str(CONFIGS / "quickstart.yaml")]
     line = _error(args, capsys)
-    assert line.startswith("error: validate scores on-policy rollouts but --data.val_batches is 0")
+    assert line.startswith(
+        f"error: {subcommand} scores on-policy rollouts but --data.val_batches is 0"
+    )
     assert "set --data.val_batches N" in line
 
 
