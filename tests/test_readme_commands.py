@@ -352,7 +352,7 @@ def run_quickstart_script(line: str, workdir: Path) -> None:
     (fit,) = [s for s in _script_commands(script) if re.match(PROGRAM + r" fit ", s)]
     assert fit.endswith('"$@"'), f"{fit!r} does not pass the script's arguments on"
     assert "bash scripts/setup.sh" in _script_commands(script)
-    assert 'EXTRAS="dev,bench,peers" bash scripts/setup.sh' in _script_commands(
+    assert 'EXTRAS="dev,bench,peers,lora" bash scripts/setup.sh' in _script_commands(
         (REPO / "scripts" / "test.sh").read_text()
     )
     before = _event_files(workdir)
@@ -372,7 +372,7 @@ def check_test_script(line: str, workdir: Path) -> None:
     assert line in _script_commands((REPO / ".ci" / "run").read_text())
     commands = _script_commands((REPO / "scripts" / "test.sh").read_text())
     assert commands[0] == "set -euo pipefail"
-    assert 'EXTRAS="dev,bench,peers" bash scripts/setup.sh' in commands
+    assert 'EXTRAS="dev,bench,peers,lora" bash scripts/setup.sh' in commands
     (pytest_line,) = [c for c in commands if "pytest" in c]
     words = _words(pytest_line)
     assert words[:4] == [".venv/bin/python", "-m", "pytest", "tests"], pytest_line
