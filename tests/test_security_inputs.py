@@ -154,8 +154,9 @@ def test_a_batch_scores_every_numeric_type_alike_and_drops_the_rest(caplog) -> N
     assert batch.scores.tolist() == [0.25, 0.5]
     assert torch.isfinite(batch.rewards).all()
     assert batch.info["generated"] == 4.0 and batch.info["dropped_reward_error"] == 2.0
-    assert "Dropping sample 1 (prompt 0): reward error" in caplog.text
-    assert "float32's range" in caplog.text
+    # one warning per distinct error, with its count (console.ErrorsOnce)
+    assert "reward function returned 1e+39" in caplog.text and "float32's range" in caplog.text
+    assert "reward function returned True" in caplog.text and "on 1 of 4 samples" in caplog.text
 
 
 # ---------------------------------------------------------------- the calculator
