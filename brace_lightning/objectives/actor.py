@@ -31,7 +31,15 @@ def _positive(name: str, value: object, *, optional: bool = False) -> None:
     _require(_number(value) and 0.0 < value < math.inf, name, value, expected)
 
 
-class _Clipped(ActorObjective):
+class _ReprFromArgs:
+    """``repr`` as ``Name(arg=value, ...)`` from the instance's hyperparameters (its ``vars``)."""
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
+        return f"{type(self).__name__}({args})"
+
+
+class _Clipped(_ReprFromArgs, ActorObjective):
     """Shared PPO-clip hyperparameters of the objectives built on the PPO surrogate."""
 
     def __init__(self, *, clip_low: float, clip_high: float, dual_clip: float | None) -> None:
@@ -49,10 +57,6 @@ class _Clipped(ActorObjective):
 
     def _clip(self) -> dict[str, float | None]:
         return {"clip_low": self.clip_low, "clip_high": self.clip_high, "dual_clip": self.dual_clip}
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"{type(self).__name__}({args})"
 
 
 class PPOClip(_Clipped):
@@ -228,7 +232,7 @@ class PPOEWMA(DecoupledPPO):
         self.ewma_decay = ewma_decay
 
 
-class GSPO(ActorObjective):
+class GSPO(_ReprFromArgs, ActorObjective):
     """GSPO: the PPO clip on the sequence-level (geometric-mean) ratio
     s_i = exp(mean_t log π_θ/π_prox) of each row (:func:`.functional.gspo`, GSPO-token form).
 
@@ -273,10 +277,6 @@ class GSPO(ActorObjective):
             clip_high=self.clip_high,
             behavior_weight_cap=self.behavior_weight_cap,
         )
-
-    def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items())
-        return f"GSPO({args})"
 
 
 class IcePop(_Clipped):
