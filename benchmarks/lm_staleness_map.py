@@ -55,6 +55,9 @@ TARGETS = ("gae", "brace")
 CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
     "recipe": (),
     "stable": (CONFIGS / "async_stable.yaml",),
+    # The second candidate (declared 2026-12-06 after the first collapsed at S = 8, lr 2e-4):
+    # the first plus ρ = min(ρ̄, π/µ) in the actor's advantage.
+    "stable_rho": (CONFIGS / "async_stable.yaml", CONFIGS / "targets" / "rho_in_advantage.yaml"),
 }
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
 
