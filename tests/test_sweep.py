@@ -217,7 +217,13 @@ def test_primary_block_is_checked_and_every_sim_grid_declares_a_dated_one() -> N
         check_primary({**spec, "primary": {**primary, "margin": 0}})
     with pytest.raises(ValueError, match="primary must be a mapping with the keys"):
         check_primary({**spec, "primary": {"metric": "value_pi"}})
-    for name in ("sim_drift", "sim_mlp_rules", "sim_staleness", "sim_targets"):
+    for name in (
+        "sim_drift",
+        "sim_mlp_rules",
+        "sim_mlp_rules_sparse",
+        "sim_staleness",
+        "sim_targets",
+    ):
         grid = yaml.safe_load(
             (Path(__file__).parent.parent / "sweeps" / f"{name}.yaml").read_text()
         )
