@@ -58,6 +58,7 @@ __all__ = [
     "load_meta",
     "load_version",
     "state_sha256",
+    "to_batch",
     "version_files",
 ]
 
@@ -100,6 +101,13 @@ def load_version(path: str | Path) -> dict[str, Any]:
 def load_meta(folder: str | Path) -> dict[str, Any]:
     """``folder/meta.json`` of a recording."""
     return json.loads((Path(folder) / "meta.json").read_text())
+
+
+def to_batch(saved: dict[str, torch.Tensor]) -> tuple[RolloutBatch, torch.Tensor]:
+    """A saved batch (``"train"`` or ``"on_policy"`` of :func:`load_version`) as a
+    :class:`RolloutBatch` and its ``[B, T]`` log π_v (``target_logprobs``)."""
+    batch = RolloutBatch(**{key: saved[key] for key in BATCH_KEYS})
+    return batch, saved["target_logprobs"]
 
 
 def _tensors(batch: RolloutBatch, target_logprobs: torch.Tensor) -> dict[str, torch.Tensor]:
