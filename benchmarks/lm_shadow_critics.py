@@ -52,9 +52,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import multiprocessing
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 from typing import Any
 
@@ -194,9 +196,11 @@ def critic_optimizer(critic: torch.nn.Module, meta: dict[str, Any]) -> torch.opt
 
 
 def offline_scorer(meta: dict[str, Any], critic: torch.nn.Module) -> Scorer:
-    """Padded micro-batches under the recorded run's token budget."""
+    """The recorded run's micro-batches: its token budget, packed rows where it packed them."""
     scorer = Scorer(
-        micro_batch_size=None, max_tokens=meta["max_tokens_per_micro_batch"], pack_sequences=False
+        micro_batch_size=None,
+        max_tokens=meta["max_tokens_per_micro_batch"],
+        pack_sequences=bool(meta["recipe"]["pack_sequences"]),
     )
     scorer.prepare(critic, None, ())
     return scorer
@@ -319,25 +323,49 @@ def drift_statistics(stream: Path) -> list[dict[str, float]]:
     return rows
 
 
-def train_run(
-    cell_folder: Path, variants: Sequence[str], budgets: Sequence[int]
-) -> list[tuple[str, int, str]]:
-    """Every missing (variant, budget) of one recorded run, and its drift statistics; returns
-    (variant, budget, "done" or "skipped") per pair."""
-    stream, folder = cell_folder / "stream", cell_folder / "critics"
-    folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / "drift.json").exists():
-        _write_json(folder / "drift.json", drift_statistics(stream))
-    statuses = []
-    for variant in variants:
-        for budget in budgets:
-            path = folder / f"{variant}_b{budget}.json"
-            if path.exists():
-                statuses.append((variant, budget, "skipped"))
-                continue
-            _write_json(path, train_variant(stream, variant, budget))
-            statuses.append((variant, budget, "done"))
-    return statuses
+def critic_file(cell_folder: Path, variant: str, budget: int) -> Path:
+    """The scores of one (variant, budget) of a recorded run; its existence is the resume marker."""
+    return cell_folder / "critics" / f"{variant}_b{budget}.json"
+
+
+def train_one(cell_folder: Path, variant: str, budget: int) -> float:
+    """Train and score one (variant, budget) of a recorded run into :func:`critic_file` (one torch
+    thread, also in a worker process); its seconds."""
+    torch.set_num_threads(1)
+    start = time.monotonic()
+    rows = train_variant(cell_folder / "stream", variant, budget)
+    _write_json(critic_file(cell_folder, variant, budget), rows)
+    return time.monotonic() - start
+
+
+def train_runs(
+    runs: dict[str, Path], variants: Sequence[str], budgets: Sequence[int], *, workers: int
+) -> None:
+    """Every missing (variant, budget) of every recorded run in ``runs`` (name -> cell folder),
+    in ``workers`` processes, and each run's drift statistics; prints one line per pair."""
+    jobs = []
+    for name, folder in runs.items():
+        (folder / "critics").mkdir(parents=True, exist_ok=True)
+        if not (folder / "critics" / "drift.json").exists():
+            _write_json(folder / "critics" / "drift.json", drift_statistics(folder / "stream"))
+        for variant in variants:
+            for budget in budgets:
+                if critic_file(folder, variant, budget).exists():
+                    print(f"train {name} {variant} budget {budget}: skipped", flush=True)
+                else:
+                    jobs.append((name, folder, variant, budget))
+    if workers == 1:
+        results = (train_one(folder, variant, budget) for _, folder, variant, budget in jobs)
+        for (name, _, variant, budget), seconds in zip(jobs, results, strict=True):
+            print(f"train {name} {variant} budget {budget}: done in {seconds:.0f} s", flush=True)
+        return
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        futures = {pool.submit(train_one, f, v, b): (n, v, b) for n, f, v, b in jobs}
+        for future in as_completed(futures):
+            name, variant, budget = futures[future]
+            seconds = future.result()
+            print(f"train {name} {variant} budget {budget}: done in {seconds:.0f} s", flush=True)
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -357,7 +385,7 @@ def read_scores(runs: dict[str, Path], variants: Sequence[str], budgets: Sequenc
     for name, folder in runs.items():
         for variant in variants:
             for budget in budgets:
-                path = folder / "critics" / f"{variant}_b{budget}.json"
+                path = critic_file(folder, variant, budget)
                 if path.exists():
                     rows = json.loads(path.read_text())
                     scores.setdefault(name, {}).setdefault(variant, {})[budget] = rows
@@ -547,6 +575,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--primary-versions", type=int, nargs=2, default=list(PRIMARY_VERSIONS),
         metavar=("FIRST", "LAST"), help="the primary window (pre-registered: 101 200)",
     )  # fmt: skip
+    parser.add_argument(
+        "--workers", type=int, default=1, help="critic-training processes (one torch thread each)"
+    )
     parser.add_argument("--only", choices=["record", "train", "aggregate"], default=None)
     parser.add_argument("--config", type=Path, default=RECIPE, help="the recipe")
     parser.add_argument("extra", nargs="*", help="more CLI overrides for every fit, after --")
@@ -556,6 +587,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     first, last = args.primary_versions
     if not 1 < first <= last:
         parser.error(f"--primary-versions must be 1 < FIRST <= LAST; got {first} {last}.")
+    if args.workers < 1:
+        parser.error(f"--workers must be >= 1; got {args.workers}.")
     if any(b < 1 for b in args.budgets):
         parser.error(f"--budgets must be integers >= 1; got {args.budgets}.")
     cells = [record_cell(w, s) for w in args.warm_seeds for s in args.seeds]
@@ -577,9 +610,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         if (c.folder(args.out) / "done.json").exists()
     }
     if args.only in (None, "train"):
-        for name, folder in recorded.items():
-            for variant, budget, status in train_run(folder, args.variants, args.budgets):
-                print(f"train {name} {variant} budget {budget}: {status}", flush=True)
+        train_runs(recorded, args.variants, args.budgets, workers=args.workers)
     text = aggregate(recorded, args.out, args.budgets, (first, last))
     print(text)
     missing = [str(c) for c in cells if f"warm{c.warm}/seed{c.seed}" not in recorded]

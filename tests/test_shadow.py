@@ -91,7 +91,6 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
     return types.SimpleNamespace(tmp=tmp, stream=stream, spied=spied)
 
 
-@pytest.mark.slow
 def test_a_run_with_the_recorder_logs_the_same_metrics_and_ends_with_the_same_weights(recorded):
     plain = json.loads((recorded.tmp / "plain" / "record" / "record.json").read_text())
     with_recorder = json.loads((recorded.tmp / "recorded" / "record" / "record.json").read_text())
@@ -100,7 +99,6 @@ def test_a_run_with_the_recorder_logs_the_same_metrics_and_ends_with_the_same_we
     assert plain["weights_sha256"] == with_recorder["weights_sha256"]  # actor and critic
 
 
-@pytest.mark.slow
 def test_recorded_files_hold_the_trained_batch_with_the_modules_pi_prox(recorded):
     files = version_files(recorded.stream)
     assert [f.name for f in files] == [f"v{v:05d}.pt" for v in range(STEPS)]
@@ -122,7 +120,6 @@ def test_recorded_files_hold_the_trained_batch_with_the_modules_pi_prox(recorded
         )
 
 
-@pytest.mark.slow
 def test_the_on_policy_batch_is_sampled_and_scored_by_pi_v(recorded):
     tokenizer = load_tokenizer("tiny-char")
     model = load_actor("tiny-char", tokenizer=tokenizer, hidden_size=HIDDEN, num_layers=LAYERS)
@@ -147,7 +144,6 @@ def test_the_on_policy_batch_is_sampled_and_scored_by_pi_v(recorded):
     assert versions_seen == {0, 1}  # π_v moved after the warm-up step
 
 
-@pytest.mark.slow
 def test_every_variant_trains_on_the_recorded_stream_from_the_runs_initial_critic(recorded):
     meta = load_meta(recorded.stream)
     critic = shadow_critics.initial_critic(meta)  # SHA-256 checked against the run's
@@ -333,30 +329,34 @@ def test_the_docstring_and_the_results_page_state_the_preregistered_primary_verb
 
 
 @pytest.mark.slow
-def test_the_command_records_trains_aggregates_and_resumes(tmp_path, capsys):
+def test_the_commands_record_train_aggregate_and_resume(tmp_path, capsys):
+    """The documented commands' short form: ``--only record``, ``--only train``, the whole
+    experiment (everything already there: nothing runs again) and ``--only aggregate``."""
     out = tmp_path / "shadow"
     fake_warm_start(lm_map.warm_folder(out, 0))
     argv = ["--out", str(out), "--warm-seeds", "0", "--seeds", "0", "--steps", "2", "--every", "2"]
     argv += ["--on-policy-rows", "2", "--budgets", "1", "--variants", "gae", "brace_k100"]
     argv += ["--primary-versions", "2", "2", "--config", str(tiny_recipe(tmp_path / "tiny.yaml"))]
-    shadow_critics.main(argv)
-    printed = capsys.readouterr().out
     cell = shadow_critics.record_cell(0, 0)
-    assert f"record {cell}: done" in printed
-    assert "train warm0/seed0 brace_k100 budget 1: done" in printed
+    shadow_critics.main([*argv, "--only", "record"])
+    printed = capsys.readouterr().out
+    assert f"record {cell}: done" in printed and "train " not in printed
     marker = json.loads((cell.folder(out) / "done.json").read_text())
     assert "--data.init_args.lag=4" in marker["args"]
     assert "--model.actor_optimizer.init_args.lr=5e-05" in marker["args"]
-    assert "--config" in marker["args"] and any(
-        a.endswith("targets/gae.yaml") for a in marker["args"]
-    )
+    assert any(arg.endswith("targets/gae.yaml") for arg in marker["args"])
     assert len(version_files(cell.folder(out) / "stream")) == 2
+    shadow_critics.main([*argv, "--only", "train", "--workers", "2"])  # two processes
+    printed = capsys.readouterr().out
+    assert "train warm0/seed0 brace_k100 budget 1: done in" in printed and "record " not in printed
+    assert "train warm0/seed0 gae budget 1: done in" in printed
     scores = json.loads((out / "scores.json").read_text())
-    rows = scores["warm0/seed0"]["brace_k100"]["1"]
-    assert [r["version"] for r in rows] == [1, 2]
+    assert [r["version"] for r in scores["warm0/seed0"]["brace_k100"]["1"]] == [1, 2]
     assert "fewer than 2 paired runs" in (out / "summary.md").read_text()
-    shadow_critics.main(argv)  # everything is there: nothing runs again
+    shadow_critics.main(argv)
     printed = capsys.readouterr().out
     assert f"record {cell}: skipped" in printed and "budget 1: skipped" in printed
+    assert "budget 1: done" not in printed
     shadow_critics.main([*argv, "--only", "aggregate"])
-    assert "train " not in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "train " not in printed and "record " not in printed and "### Primary outcome" in printed
