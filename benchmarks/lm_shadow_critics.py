@@ -447,6 +447,11 @@ def primary_table(
     return rows
 
 
+def _bin_start(key: str) -> int:
+    """Sort key of ``value_bias_mc`` (first) and the ``value_bias_pos{a}_{b}`` bins (by a)."""
+    return -1 if key == "value_bias_mc" else int(key.removeprefix("value_bias_pos").split("_")[0])
+
+
 def _mean_text(values: list[float], digits: int = 4) -> str:
     if len(values) < 2:
         return f"{values[0]:.{digits}f}" if values else "-"
@@ -464,9 +469,13 @@ def summary(
     differences, the signed bias by position and the drift table."""
     values = outcome(scores, versions)
     first, last = versions
+    window = f"Versions {first}–{last}; {len(scores)} recorded run(s)."
+    if versions != PRIMARY_VERSIONS:
+        window += (
+            " **Not the pre-registered window (--primary-versions): not the primary outcome.**"
+        )
     sections = [
-        f"### Primary outcome (pre-registered {PRIMARY_DATE})\n\n{PRIMARY_TEXT}.\n\n"
-        f"Versions {first}–{last}; {len(scores)} recorded run(s)."
+        f"### Primary outcome (pre-registered {PRIMARY_DATE})\n\n{PRIMARY_TEXT}.\n\n{window}"
     ]
     header = ["variant", "runs", "Δ (V − G)² vs gae [Holm-level CI]", "p", "Holm p", "verdict"]
     for budget in budgets:
@@ -516,7 +525,7 @@ def summary(
             chosen = [r for rows in per_run for r in rows]
             if not chosen:
                 continue
-            keys = [k for k in chosen[0] if k.startswith("value_bias_")]
+            keys = sorted((k for k in chosen[0] if k.startswith("value_bias_")), key=_bin_start)
             cells = [sum(r[k] for r in chosen) / len(chosen) for k in keys]
             bias_rows.append([variant, budget, *(f"{c:+.4f}" for c in cells)])
             bias_header = ["variant", "budget", *keys]
@@ -530,7 +539,7 @@ def summary(
         keys = ("abs_mean", "abs_p50", "abs_p90", "abs_p99", "product_mean", "window_mean")
         drift_rows.append([run, *(f"{sum(r[k] for r in rows) / len(rows):.3g}" for k in keys)])
     if drift_rows:
-        header = ["run", "mean |log w|", "p50", "p90", "p99", "log Π_T", f"log Π_{WINDOW}"]
+        header = ["run", "mean \\|log w\\|", "p50", "p90", "p99", "log Π_T", f"log Π_{WINDOW}"]
         sections.append(
             f"**secondary: the µ-batches' importance weights, mean over versions (c̄ = {C_BAR}, "
             f"windows of {WINDOW} actions; docs/results.md §9's drift axis)**\n\n"
