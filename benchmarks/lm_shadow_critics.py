@@ -41,8 +41,8 @@ the interval of each comparison is the paired Student-t interval at its Holm ste
 (:func:`brace_lightning.statistics.holm_levels`), and better/worse needs a Holm-adjusted p below
 0.05 and that interval beyond +0.005 or below −0.005 (:func:`primary_table`).
 
-The whole experiment (about 15 CPU hours for 6 runs; ``docs/results_lm.md`` has the pilot's cost
-estimate)::
+The whole experiment (about 45–55 CPU hours for 6 runs on a busy 2-core machine, by the pilot
+in ``docs/results_lm.md``; ``--workers N`` trains N critics at a time)::
 
     .venv/bin/python -m benchmarks.lm_shadow_critics --out runs/lm_shadow --warm-seeds 0 1 --seeds 0 1 2
 """
