@@ -31,12 +31,17 @@ HIDDEN, LAYERS = 64, 1
 
 
 def _fit_args(out: Path, recorder: Path | None) -> list[str]:
-    """A 3-step quickstart fit at lag 1 (the actor steps from step 1), its metrics and weight
-    hashes recorded by the recorded-runs ``Recorder``; with ``recorder`` the ShadowRecorder too."""
+    """A 3-step quickstart fit with GAE(1) at lag 1 (the actor steps from step 1) and 2 critic
+    steps on the whole batch per version, its metrics and weight hashes recorded by the
+    recorded-runs ``Recorder``; with ``recorder`` the ShadowRecorder too."""
     args = [
         "fit",
         "--config",
         str(ROOT / "configs" / "quickstart.yaml"),
+        "--config",
+        str(ROOT / "configs" / "targets" / "gae.yaml"),
+        "--model.ppo_epochs=2",
+        "--model.num_minibatches=1",
         "--trainer.callbacks=[]",
         f"--trainer.limit_train_batches={STEPS}",
         f"--trainer.default_root_dir={out}",
@@ -87,8 +92,9 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> types.SimpleNamespace:
 
         patch.setattr(BraceModule, "_score", spy)
         stream = tmp / "recorded" / "stream"
-        run(_fit_args(tmp / "recorded", stream))
-    return types.SimpleNamespace(tmp=tmp, stream=stream, spied=spied)
+        cli = run(_fit_args(tmp / "recorded", stream))
+    critic = {k: v.detach().clone() for k, v in cli.model.critic.state_dict().items()}
+    return types.SimpleNamespace(tmp=tmp, stream=stream, spied=spied, critic=critic)
 
 
 def test_a_run_with_the_recorder_logs_the_same_metrics_and_ends_with_the_same_weights(recorded):
@@ -158,6 +164,31 @@ def test_every_variant_trains_on_the_recorded_stream_from_the_runs_initial_criti
     drift = shadow_critics.drift_statistics(recorded.stream)
     assert drift[1]["abs_max"] < 1e-5  # step 1 trains on version 0's samples with π = version 0
     assert drift[2]["abs_mean"] > 1e-4  # step 2: µ = version 0, π_v = version 1
+
+
+def _offline_gae_critic(stream: Path, budget: int) -> dict[str, torch.Tensor]:
+    """The weights of the GAE(1) critic trained offline on ``stream`` at ``budget``."""
+    built = []
+
+    def build(meta):
+        built.append(shadow_critics.initial_critic(meta))
+        return built[-1]
+
+    shadow_critics.train_variant(stream, "gae", budget, build_critic=build)
+    return built[0].state_dict()
+
+
+def _largest_gap(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[name] - b[name]).abs().max()) for name in a)
+
+
+def test_the_offline_gae_critic_at_the_recipes_budget_is_the_runs_own_critic(recorded):
+    """GAE(1) with 2 steps per version on the recorded stream repeats what the run's critic did
+    (same initial weights, targets, loss, optimizer and clip), up to float32 summation order."""
+    initial = shadow_critics.initial_critic(load_meta(recorded.stream)).state_dict()
+    assert _largest_gap(recorded.critic, initial) > 1e-3  # the run's critic did move
+    assert _largest_gap(_offline_gae_critic(recorded.stream, 2), recorded.critic) < 1e-5  # ~1e-7
+    assert _largest_gap(_offline_gae_critic(recorded.stream, 3), recorded.critic) > 1e-3  # ~7e-3
 
 
 def test_the_recorder_refuses_the_async_data_module_and_a_bad_row_count():
