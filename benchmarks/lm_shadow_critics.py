@@ -62,7 +62,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import markdown_table
+from benchmarks._common import markdown_table, positive_int
 from benchmarks.lm_staleness import RECIPE, run_marked
 from benchmarks.lm_staleness_map import MapCell, map_command, prepare_warm_start
 from brace_lightning import optim
@@ -575,17 +575,24 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output folder (reused to resume)")
     parser.add_argument("--warm-seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=200, help="rollout steps per recorded run")
-    parser.add_argument("--every", type=int, default=20, help="validate every this many steps")
-    parser.add_argument("--on-policy-rows", type=int, default=32, help="per version")
+    parser.add_argument(
+        "--steps", type=positive_int, default=200, help="rollout steps per recorded run"
+    )
+    parser.add_argument(
+        "--every", type=positive_int, default=20, help="validate every this many steps"
+    )
+    parser.add_argument("--on-policy-rows", type=positive_int, default=32, help="per version")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
-    parser.add_argument("--budgets", type=int, nargs="+", default=list(BUDGETS))
+    parser.add_argument("--budgets", type=positive_int, nargs="+", default=list(BUDGETS))
     parser.add_argument(
         "--primary-versions", type=int, nargs=2, default=list(PRIMARY_VERSIONS),
         metavar=("FIRST", "LAST"), help="the primary window (pre-registered: 101 200)",
     )  # fmt: skip
     parser.add_argument(
-        "--workers", type=int, default=1, help="critic-training processes (one torch thread each)"
+        "--workers",
+        type=positive_int,
+        default=1,
+        help="critic-training processes (one torch thread each)",
     )
     parser.add_argument("--only", choices=["record", "train", "aggregate"], default=None)
     parser.add_argument("--config", type=Path, default=RECIPE, help="the recipe")
@@ -596,10 +603,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     first, last = args.primary_versions
     if not 1 < first <= last:
         parser.error(f"--primary-versions must be 1 < FIRST <= LAST; got {first} {last}.")
-    if args.workers < 1:
-        parser.error(f"--workers must be >= 1; got {args.workers}.")
-    if any(b < 1 for b in args.budgets):
-        parser.error(f"--budgets must be integers >= 1; got {args.budgets}.")
     cells = [record_cell(w, s) for w in args.warm_seeds for s in args.seeds]
     args.out.mkdir(parents=True, exist_ok=True)
     if args.only in (None, "record"):

@@ -392,3 +392,21 @@ def test_the_commands_record_train_aggregate_and_resume(tmp_path, capsys):
     shadow_critics.main([*argv, "--only", "aggregate"])
     printed = capsys.readouterr().out
     assert "train " not in printed and "record " not in printed and "### Primary outcome" in printed
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--budgets", "0"], "argument --budgets: expected an integer >= 1; got '0'"),
+        (["--steps", "30", "--every", "20"], "--steps (30) must be a multiple of --every (20)."),
+        (
+            ["--primary-versions", "9", "3"],
+            "--primary-versions must be 1 < FIRST <= LAST; got 9 3.",
+        ),
+    ],
+)
+def test_the_command_refuses_bad_arguments_in_one_sentence(tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit):
+        shadow_critics.main(["--out", str(tmp_path), *argv])
+    assert message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())  # refused before anything ran
