@@ -9,7 +9,7 @@ actor at the start of the step is π_v, the step's π_prox, and :class:`ShadowRe
 ``folder/v{v:05d}.pt`` holding:
 
 - ``train``: the step's rollout batch as trained on (the µ-batch: tokens, masks, log µ, rewards,
-  scores, group ids, versions) and ``target_logprobs`` = log π_v at every action: a no-grad
+  scores, group ids, versions; the task's rewards, without a ``kl_mode="reward"`` penalty) and ``target_logprobs`` = log π_v at every action: a no-grad
   forward of a copy of π_v through the module's own :class:`~brace_lightning.scorer.Scorer` (the
   code and micro-batch plan of the step's π_prox log-probs, so the two are equal);
 - ``on_policy``: ``on_policy_rows`` fresh responses (one per prompt) of π_v to fresh prompts of the
@@ -156,6 +156,8 @@ class ShadowRecorder(pl.Callback):
         self._policy: nn.Module | None = None
         self._engine: RolloutEngine | None = None
         self._prompts: torch.Generator | None = None
+        self._prompt_seed: int | None = None
+        self._version = 0  # the policy version of π_v, the step's actor at its start
 
     # ------------------------------------------------------------------ checks and meta
 
