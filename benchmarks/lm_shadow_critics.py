@@ -459,6 +459,76 @@ def _mean_text(values: list[float], digits: int = 4) -> str:
     return f"{mean:.{digits}f} [{low:.{digits}f}, {high:.{digits}f}]"
 
 
+def _early_section(scores: Scores, budgets: Sequence[int], first: int) -> list[str]:
+    """Secondary: each variant minus gae over versions 1 to ``first`` − 1, 95% paired interval
+    and verdict per budget, unadjusted (``sweep.paired_difference``, margin ±0.005)."""
+    early = outcome(scores, (1, first - 1))
+    rows = []
+    for budget in budgets:
+        reference = early.get((REFERENCE, budget), {})
+        for variant in VARIANTS:
+            by_run = early.get((variant, budget), {})
+            runs = sorted(set(by_run) & set(reference))
+            if variant == REFERENCE or len(runs) < 2:
+                continue
+            index = {run: i for i, run in enumerate(runs)}
+            d, low, high, word = paired_difference(
+                {index[r]: by_run[r] for r in runs},
+                {index[r]: reference[r] for r in runs},
+                higher_is_better=False,
+                margin=MARGIN,
+            )
+            rows.append([budget, variant, f"{d:+.4f} [{low:+.4f}, {high:+.4f}]", word])
+    if not rows:
+        return []
+    title = f"**secondary: Δ (V − G)² vs gae over versions 1–{first - 1} (95% CI, unadjusted)**"
+    return [f"{title}\n\n" + markdown_table(["budget", "variant", "Δ", "verdict"], rows)]
+
+
+def _bias_section(scores: Scores, budgets: Sequence[int], versions: tuple[int, int]) -> list[str]:
+    """Secondary: the signed mean (V − G), overall and by position bin, over ``versions``
+    (the mean of the versions' values, over versions and runs)."""
+    first, last = versions
+    rows, keys = [], []
+    for variant in VARIANTS:
+        for budget in budgets:
+            chosen = [
+                row
+                for by_variant in scores.values()
+                for row in by_variant.get(variant, {}).get(budget, [])
+                if first <= row["version"] <= last
+            ]
+            if not chosen:
+                continue
+            keys = sorted((k for k in chosen[0] if k.startswith("value_bias_")), key=_bin_start)
+            cells = [sum(r[k] for r in chosen) / len(chosen) for k in keys]
+            rows.append([variant, budget, *(f"{c:+.4f}" for c in cells)])
+    if not rows:
+        return []
+    title = (
+        f"**secondary: signed mean (V − G) over versions {first}–{last} (mean of versions and "
+        "runs)**"
+    )
+    return [f"{title}\n\n" + markdown_table(["variant", "budget", *keys], rows)]
+
+
+def _drift_section(drift: dict[str, list[dict[str, float]]]) -> list[str]:
+    """Secondary: each run's importance-weight statistics, the mean over its versions."""
+    keys = ("abs_mean", "abs_p50", "abs_p90", "abs_p99", "product_mean", "window_mean")
+    rows = [
+        [run, *(f"{sum(r[k] for r in rows) / len(rows):.3g}" for k in keys)]
+        for run, rows in sorted(drift.items())
+    ]
+    if not rows:
+        return []
+    header = ["run", "mean \\|log w\\|", "p50", "p90", "p99", "log Π_T", f"log Π_{WINDOW}"]
+    title = (
+        f"**secondary: the µ-batches' importance weights, mean over versions (c̄ = {C_BAR}, "
+        f"windows of {WINDOW} actions; docs/results.md §9's drift axis)**"
+    )
+    return [f"{title}\n\n" + markdown_table(header, rows)]
+
+
 def summary(
     scores: Scores,
     drift: dict[str, list[dict[str, float]]],
@@ -492,59 +562,9 @@ def summary(
         f"**secondary: (V − G)² over versions {first}–{last}, mean over runs [95% CI]**\n\n"
         + markdown_table(["variant", *(f"budget {b}" for b in budgets)], level_rows)
     )
-    early = outcome(scores, (1, first - 1))
-    early_rows = []
-    for budget in budgets:
-        reference = early.get((REFERENCE, budget), {})
-        for variant in VARIANTS:
-            by_run = early.get((variant, budget), {})
-            if variant == REFERENCE or len(set(by_run) & set(reference)) < 2:
-                continue
-            runs = sorted(set(by_run) & set(reference))
-            index = {run: i for i, run in enumerate(runs)}
-            d, low, high, word = paired_difference(
-                {index[r]: by_run[r] for r in runs},
-                {index[r]: reference[r] for r in runs},
-                higher_is_better=False,
-                margin=MARGIN,
-            )
-            early_rows.append([budget, variant, f"{d:+.4f} [{low:+.4f}, {high:+.4f}]", word])
-    if early_rows:
-        sections.append(
-            f"**secondary: Δ (V − G)² vs gae over versions 1–{first - 1} (95% CI, unadjusted)**"
-            "\n\n" + markdown_table(["budget", "variant", "Δ", "verdict"], early_rows)
-        )
-    bias_rows = []
-    for variant in VARIANTS:
-        for budget in budgets:
-            per_run = [
-                [r for r in by_variant[variant][budget] if first <= r["version"] <= last]
-                for by_variant in scores.values()
-                if budget in by_variant.get(variant, {})
-            ]
-            chosen = [r for rows in per_run for r in rows]
-            if not chosen:
-                continue
-            keys = sorted((k for k in chosen[0] if k.startswith("value_bias_")), key=_bin_start)
-            cells = [sum(r[k] for r in chosen) / len(chosen) for k in keys]
-            bias_rows.append([variant, budget, *(f"{c:+.4f}" for c in cells)])
-            bias_header = ["variant", "budget", *keys]
-    if bias_rows:
-        sections.append(
-            f"**secondary: signed mean (V − G) over versions {first}–{last} (mean of versions "
-            "and runs)**\n\n" + markdown_table(bias_header, bias_rows)
-        )
-    drift_rows = []
-    for run, rows in sorted(drift.items()):
-        keys = ("abs_mean", "abs_p50", "abs_p90", "abs_p99", "product_mean", "window_mean")
-        drift_rows.append([run, *(f"{sum(r[k] for r in rows) / len(rows):.3g}" for k in keys)])
-    if drift_rows:
-        header = ["run", "mean \\|log w\\|", "p50", "p90", "p99", "log Π_T", f"log Π_{WINDOW}"]
-        sections.append(
-            f"**secondary: the µ-batches' importance weights, mean over versions (c̄ = {C_BAR}, "
-            f"windows of {WINDOW} actions; docs/results.md §9's drift axis)**\n\n"
-            + markdown_table(header, drift_rows)
-        )
+    sections += _early_section(scores, budgets, first)
+    sections += _bias_section(scores, budgets, versions)
+    sections += _drift_section(drift)
     return "\n\n".join(sections)
 
 
