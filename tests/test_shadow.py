@@ -410,3 +410,31 @@ def test_the_command_refuses_bad_arguments_in_one_sentence(tmp_path, capsys, arg
         shadow_critics.main(["--out", str(tmp_path), *argv])
     assert message in capsys.readouterr().err
     assert not list(tmp_path.iterdir())  # refused before anything ran
+
+
+def test_the_summary_tabulates_the_primary_and_the_secondary_windows():
+    def rows(level: float, late: float) -> list[dict[str, float]]:
+        return [
+            {"version": v, "value_mse_mc": level if v < 3 else late, "tokens": 10,
+             "value_bias_mc": 0.1, "value_bias_pos8_32": 0.3, "value_bias_pos0_8": 0.2}
+            for v in (1, 2, 3, 4)
+        ]  # fmt: skip
+
+    scores = {
+        f"warm0/seed{s}": {
+            "gae": {2: rows(0.20 + s / 100, 0.20 + s / 100)},
+            "vtrace": {2: rows(0.20 + s / 100 + 0.0001 * s, 0.15 + s / 100 + 0.001 * s)},
+        }
+        for s in range(3)
+    }
+    drift = {"warm0/seed0": [{k: 1.0 for k in ("abs_mean", "abs_p50", "abs_p90", "abs_p99",
+                                               "product_mean", "window_mean")}]}  # fmt: skip
+    text = shadow_critics.summary(scores, drift, [2], (3, 4))
+    primary = text.split("**budget 2 critic steps per version**")[1].split("**secondary")[0]
+    assert "| vtrace | 3 |" in primary and "better" in primary  # −0.049 ± ~0.01 beyond −0.005
+    early = text.split("over versions 1–2 (95% CI, unadjusted)**")[1].split("**secondary")[0]
+    assert "| 2 | vtrace | +0.0001" in early and "tie (±0.005)" in early
+    bias = text.split("signed mean (V − G) over versions 3–4")[1].split("**secondary")[0]
+    assert "value_bias_mc | value_bias_pos0_8 | value_bias_pos8_32 |" in bias  # by position
+    assert "Not the pre-registered window" in text
+    assert "| warm0/seed0 | 1 | 1 | 1 | 1 | 1 | 1 |" in text
