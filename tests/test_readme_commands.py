@@ -97,6 +97,8 @@ BENCHMARK_PARSE_ONLY = {
     "covers its cells, resume and aggregation",
     "lm_staleness_map": "the lag x lr map, ~20 CPU hours; tests/benchmarks/test_lm_staleness_map.py "
     "runs a 2-cell map, its resume, table and figure",
+    "lm_shadow_critics": "recorded fits after the recipe's warm start, then 24 critics per run, "
+    "~15 CPU hours; tests/test_shadow.py runs its short form (record, train, aggregate, resume)",
     "gpu_check": "vLLM's start alone takes a minute on CPU; tests/test_vllm.py asserts the log-prob "
     "gaps it prints",
     "peer_trainers": "a warm start and a spawned process per arm: about two minutes at 2 steps; "
