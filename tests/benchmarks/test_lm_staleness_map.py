@@ -86,11 +86,19 @@ def test_the_map_tables_count_survivors_and_test_the_configurations():
 
 def test_the_candidate_overlay_is_labelled_and_sets_what_the_docs_say():
     text = (ROOT / "configs" / "async_stable.yaml").read_text()
-    assert text.startswith("# Overlay: CANDIDATE, NOT YET MAPPED.")
+    # Labelled with how little of the map has run, until the screen covers it.
+    assert text.startswith("# Overlay: the first candidate of issue 30's lag x lr map")
+    assert "SCREENED AT TWO CELLS ONLY" in text
     model = yaml.safe_load(text)["model"]
     assert model["skip_equal_reward_batches"] is True
     assert model["actor_objective"]["init_args"]["weight_cap"] == 2.0
     assert model["actor_step_size"]["class_path"].endswith("ESSAdaptiveStepSize")
+    rho = yaml.safe_load((ROOT / "configs" / "targets" / "rho_in_advantage.yaml").read_text())
+    assert rho["model"]["value_target"] == {"init_args": {"rho_in_advantage": True, "rho_bar": 1.2}}
+    assert lm_map.CONFIGURATIONS["stable_rho"] == (
+        ROOT / "configs" / "async_stable.yaml",
+        ROOT / "configs" / "targets" / "rho_in_advantage.yaml",
+    )
 
 
 def test_map_commands_differ_only_in_lr_lag_and_overlays(tmp_path: Path):
