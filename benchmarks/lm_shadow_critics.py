@@ -468,15 +468,10 @@ def _early_section(scores: Scores, budgets: Sequence[int], first: int) -> list[s
         reference = early.get((REFERENCE, budget), {})
         for variant in VARIANTS:
             by_run = early.get((variant, budget), {})
-            runs = sorted(set(by_run) & set(reference))
-            if variant == REFERENCE or len(runs) < 2:
+            if variant == REFERENCE or len(set(by_run) & set(reference)) < 2:
                 continue
-            index = {run: i for i, run in enumerate(runs)}
             d, low, high, word = paired_difference(
-                {index[r]: by_run[r] for r in runs},
-                {index[r]: reference[r] for r in runs},
-                higher_is_better=False,
-                margin=MARGIN,
+                by_run, reference, higher_is_better=False, margin=MARGIN
             )
             rows.append([budget, variant, f"{d:+.4f} [{low:+.4f}, {high:+.4f}]", word])
     if not rows:

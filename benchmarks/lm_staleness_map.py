@@ -283,15 +283,10 @@ def map_tables(outcomes: dict[MapCell, Outcome], warm_rewards: dict[int, float])
             continue
         by_run = {(c.warm, c.seed): o.final_val for c, o in runs}
         reference = {(c.warm, c.seed): o.final_val for c, o in on_policy}
-        shared = sorted(set(by_run) & set(reference))
+        shared = set(by_run) & set(reference)
         if len(shared) < 2:
             continue
-        index = {pair: i for i, pair in enumerate(shared)}
-        d, low, high, verdict = paired_difference(
-            {index[p]: by_run[p] for p in shared},
-            {index[p]: reference[p] for p in shared},
-            higher_is_better=True,
-        )
+        d, low, high, verdict = paired_difference(by_run, reference, higher_is_better=True)
         diffs.append(
             [
                 config,

@@ -68,9 +68,9 @@ import json
 import math
 import multiprocessing
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
 
@@ -126,14 +126,18 @@ def interval(samples: Sequence[float]) -> tuple[float, float, float]:
     return mean, mean - half, mean + half
 
 
+#: What pairs two runs in :func:`paired_difference`: a seed, or a (warm start, seed) pair, a run name.
+RunKey = TypeVar("RunKey")
+
+
 def paired_difference(
-    by_seed: dict[int, float],
-    reference: dict[int, float],
+    by_seed: Mapping[RunKey, float],
+    reference: Mapping[RunKey, float],
     *,
     higher_is_better: bool | None,
     margin: float | None = None,
 ) -> tuple[float, float, float, str]:
-    """Mean and 95% interval of ``by_seed[s] - reference[s]`` over the seeds both hold, and its
+    """Mean and 95% interval of ``by_seed[s] - reference[s]`` over the (sortable) keys both hold, and its
     verdict: ``better``/``worse`` in the direction ``higher_is_better`` gives (``higher``/``lower``
     when it is None, a metric with no better side) when the interval excludes 0; ``tie (±margin)``
     when it lies inside ±``margin``; else ``inconclusive (±half-width)``. Pairing seed by seed
