@@ -76,8 +76,7 @@ from brace_lightning.objectives import CriticLoss
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scorer, shift_values
 from brace_lightning.shadow import load_meta, load_version, state_sha256, to_batch, version_files
-from brace_lightning.statistics import holm, holm_levels, paired_t_test, verdict
-from brace_lightning.sweep import interval, paired_difference
+from brace_lightning.sweep import holm_rows, interval, paired_difference
 from brace_lightning.targets import BRACE, GAE, ValueTarget, VTrace
 
 #: Variant name -> its value target (BRACE at the paper's ρ̄ = 1.2, c̄ = 1.1).
@@ -429,22 +428,8 @@ def primary_table(
         shared = sorted(set(by_run) & set(reference))
         if variant == REFERENCE or len(shared) < 2:
             continue
-        diffs = [by_run[run] - reference[run] for run in shared]
-        family.append((variant, diffs, paired_t_test(diffs)[3]))
-    p_values = [p for _, _, p in family]
-    rows = []
-    for (variant, diffs, p), adjusted, level in zip(
-        family, holm(p_values), holm_levels(p_values), strict=True
-    ):
-        mean, low, high, _ = paired_t_test(diffs, alpha=level)
-        beyond = low > margin or high < -margin
-        word = verdict(
-            low, high, significant=adjusted < 0.05 and beyond, higher_is_better=False,
-            margin=margin, mean=mean,
-        )  # fmt: skip
-        ci = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] ({100 * (1 - level):.2f}%)"
-        rows.append([variant, len(diffs), ci, f"{p:.3g}", f"{adjusted:.3g}", word])
-    return rows
+        family.append((variant, [by_run[run] - reference[run] for run in shared]))
+    return holm_rows(family, higher_is_better=False, margin=margin, beyond_margin=True)
 
 
 def _bin_start(key: str) -> int:

@@ -394,6 +394,34 @@ def check_primary(spec: dict[str, Any]) -> dict[str, Any] | None:
     return primary
 
 
+def holm_rows(
+    family: Sequence[tuple[str, list[float]]],
+    *,
+    higher_is_better: bool | None,
+    margin: float,
+    beyond_margin: bool = False,
+) -> list[list[Any]]:
+    """Table rows of a pre-registered family of paired comparisons ``(label, differences)``:
+    ``[label, n, "mean [low, high] (level%)", p, Holm p, verdict]``, the interval at each
+    comparison's Holm step's level. better/worse when the Holm-adjusted p is below 0.05 (and, with
+    ``beyond_margin``, the interval lies wholly beyond ±``margin``); a tie only when the interval
+    lies inside ±``margin``; otherwise inconclusive."""
+    p_values = [paired_t_test(diffs)[3] for _, diffs in family]
+    rows = []
+    for (label, diffs), p, adjusted, level in zip(
+        family, p_values, holm(p_values), holm_levels(p_values), strict=True
+    ):
+        mean, low, high, _ = paired_t_test(diffs, alpha=level)
+        beyond = not beyond_margin or low > margin or high < -margin
+        word = verdict(
+            low, high, significant=adjusted < 0.05 and beyond, higher_is_better=higher_is_better,
+            margin=margin, mean=mean,
+        )  # fmt: skip
+        ci = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] ({100 * (1 - level):.2f}%)"
+        rows.append([label, len(diffs), ci, f"{p:.3g}", f"{adjusted:.3g}", word])
+    return rows
+
+
 def primary_table(
     scores: dict[str, dict[int, float]], primary: dict[str, Any], *, higher_is_better: bool | None
 ) -> str:
@@ -408,23 +436,12 @@ def primary_table(
         if target in primary["comparisons"] and partner in scores:
             seeds = sorted(set(by_seed) & set(scores[partner]))
             diffs = [by_seed[s] - scores[partner][s] for s in seeds]
-            family.append((setting, diffs, paired_t_test(diffs)[3]))
-    p_values = [p for _, _, p in family]
-    rows = []
-    for (setting, diffs, p), adjusted, level in zip(
-        family, holm(p_values), holm_levels(p_values), strict=True
-    ):
-        mean, low, high, _ = paired_t_test(diffs, alpha=level)
-        word = verdict(
-            low,
-            high,
-            significant=adjusted < 0.05,
-            higher_is_better=higher_is_better,
-            margin=float(primary["margin"]),
-            mean=mean,
-        )
-        ci = f"{mean:+.4f} [{low:+.4f}, {high:+.4f}] ({100 * (1 - level):.2f}%)"
-        rows.append([setting, len(diffs), ci, f"{p:.3g}", f"{adjusted:.3g}", word])
+            family.append((setting, diffs))
+    rows = holm_rows(
+        family,
+        higher_is_better=higher_is_better,
+        margin=float(primary["margin"]),
+    )
     head = (
         f"### Primary outcome (pre-registered {primary['date']}): {primary['metric']}\n\n"
         f"{primary['question']} Family: {len(rows)} comparisons against "
