@@ -46,6 +46,7 @@ from typing import Any
 
 from benchmarks._common import CONFIGS, cli_command, fit_args, markdown_table, target_config
 from benchmarks.lm_staleness import RECIPE, read_cell, run_marked, warm_start, window_mean
+from brace_lightning import statistics
 from brace_lightning.sweep import paired_difference
 
 LAGS = (0, 4, 8, 16)
@@ -178,24 +179,14 @@ def final_validation(val_rewards: list[tuple[int, float]], window: int = VAL_WIN
     return window_mean(val_rewards, window)
 
 
-def _hypergeometric(a: int, row1: int, col1: int, total: int) -> float:
-    return math.comb(col1, a) * math.comb(total - col1, row1 - a) / math.comb(total, row1)
-
-
 def fisher_exact(table: tuple[tuple[int, int], tuple[int, int]]) -> float:
     """Two-sided p-value of Fisher's exact test of a 2×2 table ``((a, b), (c, d))``: the summed
     probability, under fixed margins, of every table no more likely than the observed one
-    (the rule of R's ``fisher.test`` and SciPy's ``fisher_exact``)."""
+    (the rule of R's ``fisher.test`` and SciPy's ``fisher_exact``; :func:`statistics.fisher_exact`)."""
     (a, b), (c, d) = table
     if min(a, b, c, d) < 0:
         raise ValueError(f"table must hold counts >= 0; got {table!r}.")
-    row1, col1, total = a + b, a + c, a + b + c + d
-    if total == 0:
-        return 1.0
-    low, high = max(0, row1 + col1 - total), min(row1, col1)
-    observed = _hypergeometric(a, row1, col1, total)
-    probabilities = [_hypergeometric(x, row1, col1, total) for x in range(low, high + 1)]
-    return min(1.0, sum(p for p in probabilities if p <= observed * (1 + 1e-7)))
+    return statistics.fisher_exact(a, b, c, d)
 
 
 @dataclass
