@@ -59,6 +59,14 @@ CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
     # The second candidate (declared 2026-12-06 after the first collapsed at S = 8, lr 2e-4):
     # the first plus ρ = min(ρ̄, π/µ) in the actor's advantage.
     "stable_rho": (CONFIGS / "async_stable.yaml", CONFIGS / "targets" / "rho_in_advantage.yaml"),
+    # The third (declared 2026-12-06 after the second collapsed at S = 8, lr 2e-4): the second
+    # with the actor's lr capped by the batch's staleness, S̄ · lr ≤ 8e-4 (the product at which the
+    # second survived). Where S · lr ≤ 8e-4 it trains bit for bit as the second.
+    "stable_budget": (
+        CONFIGS / "async_stable.yaml",
+        CONFIGS / "targets" / "rho_in_advantage.yaml",
+        CONFIGS / "staleness_step_size.yaml",
+    ),
 }
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
 

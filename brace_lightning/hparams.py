@@ -35,7 +35,8 @@ T = TypeVar("T")
 def to_config(obj: object) -> dict[str, Any]:
     """``{"class_path": "<module>.<Class>", "init_args": {name: value}}`` of a config object.
 
-    ``init_args`` reads, for every keyword of ``type(obj).__init__``, the attribute of that name.
+    ``init_args`` reads, for every keyword of ``type(obj).__init__``, the attribute of that name
+    (a nested config object of this package as its own config).
     """
     cls = type(obj)
     init_args = {}
@@ -47,8 +48,18 @@ def to_config(obj: object) -> dict[str, Any]:
                 f"to_config got a {cls.__name__} without attribute {name!r}; expected every "
                 "__init__ argument stored under its own name."
             )
-        init_args[name] = getattr(obj, name)
+        init_args[name] = _plain(getattr(obj, name))
     return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": init_args}
+
+
+def _plain(value: Any) -> Any:
+    """A config object of this package inside a component (an ``ess`` rule inside a step-size
+    rule) as its own config; any other value as it is."""
+    if type(value).__module__.startswith("brace_lightning.") and not isinstance(
+        value, int | float | str | tuple | list | dict
+    ):
+        return to_config(value)
+    return value
 
 
 #: The module's arguments saved as class_path + init_args configs (or, for ``lora``, a dict).

@@ -59,7 +59,7 @@ from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scored, Scorer, shift_values
 from brace_lightning.seeds import restore_rng_state, rng_state, run_seed
 from brace_lightning.step_metrics import PhaseTimer, UpdateStats, log_training_step, masked_mean
-from brace_lightning.step_size import ESSAdaptiveStepSize, actor_lr_scale
+from brace_lightning.step_size import ActorStepSize, actor_lr_scale
 from brace_lightning.targets import BRACE, ValueTarget
 
 
@@ -110,7 +110,8 @@ class BraceModule(pl.LightningModule):
         kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
-        actor_step_size: the actor's lr times a factor from the batch's ESS (``step_size.py``, VCPO).
+        actor_step_size: the actor's lr times a factor from the batch's ESS (VCPO) or staleness
+            (``step_size.py``).
         log_version_drift: log ``kl/version_drift_k3`` (one more actor forward per step).
         loss_aggregation: the actor loss over the step's tokens: ``"token_mean"`` (default),
             ``"seq_mean_token_sum"``, ``"seq_mean_token_mean"`` (``objectives/aggregation.py``).
@@ -151,7 +152,7 @@ class BraceModule(pl.LightningModule):
         kl_coef: float = 0.0,
         kl_estimator: str = "k3",
         kl_mode: str = "loss",
-        actor_step_size: ESSAdaptiveStepSize | None = None,
+        actor_step_size: ActorStepSize | None = None,
         log_version_drift: bool = False,
         loss_aggregation: str = "token_mean",
         loss_max_len: int | None = None,
@@ -165,7 +166,7 @@ class BraceModule(pl.LightningModule):
         actor_objective = from_config(actor_objective, ActorObjective, "actor_objective")
         critic_loss = from_config(critic_loss, CriticLoss, "critic_loss")
         if actor_step_size is not None:
-            actor_step_size = from_config(actor_step_size, ESSAdaptiveStepSize, "actor_step_size")
+            actor_step_size = from_config(actor_step_size, ActorStepSize, "actor_step_size")
         check_ewma_support(actor_objective.ewma_decay, fsdp_meta_init=fsdp_meta_init)
         self.save_hyperparameters()
         save_component_configs(self, COMPONENTS)
@@ -272,7 +273,17 @@ class BraceModule(pl.LightningModule):
             batch, scored, kl_metrics = self._score(batch, plan)
         due = self.rollout_step >= self.critic_warmup_steps
         train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
-        lr_scale = actor_lr_scale(self.actor_step_size, batch, scored, self.ranks, kl_metrics)
+        lr_scale = None
+        if self.actor_step_size is not None:
+            lr_scale = actor_lr_scale(
+                self.actor_step_size,
+                batch,
+                scored,
+                self.ranks,
+                kl_metrics,
+                policy_version=self.policy_version,
+                lr=optim.actor_lr(self),
+            )
         stats = UpdateStats()
         # One global step and one scheduler step per rollout step (optim.py).
         with timer("update"), optim.rollout_update(self, (train_actor, True)):

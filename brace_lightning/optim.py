@@ -162,6 +162,13 @@ def optimizers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
     return opts[0], opts[1]
 
 
+def actor_lr(module: pl.LightningModule) -> float:
+    """The actor optimizer's current lr (the largest of its parameter groups'), before any
+    adaptive step-size factor."""
+    actor_opt, _ = optimizers_by_network(module)
+    return max(float(group["lr"]) for group in actor_opt.param_groups)
+
+
 def schedulers_by_network(module: pl.LightningModule) -> tuple[Any, Any]:
     """The LR schedulers of ``module``'s (actor, critic) optimizers; None where there is none."""
     schedulers = module.lr_schedulers()

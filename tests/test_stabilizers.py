@@ -1,5 +1,5 @@
-"""Issue 30's stabilizers: the ρ factor in GAE's advantage, GSPO's sequence ratio, the ESS-adaptive
-actor step size and the drift between consecutive policy versions, each against a plain float64
+"""Issue 30's stabilizers: the ρ factor in GAE's advantage, GSPO's sequence ratio, the ESS- and
+staleness-adaptive actor step sizes and the drift between consecutive policy versions, each against a plain float64
 reference."""
 
 from __future__ import annotations
@@ -14,7 +14,13 @@ from brace_lightning.module import BraceModule
 from brace_lightning.objectives import GSPO
 from brace_lightning.optim import clipped_step
 from brace_lightning.step_metrics import effective_sample_size_fraction
-from brace_lightning.step_size import ESSAdaptiveStepSize, global_ess_fraction
+from brace_lightning.step_size import (
+    ESSAdaptiveStepSize,
+    StalenessAdaptiveStepSize,
+    actor_lr_scale,
+    global_ess_fraction,
+    global_mean_staleness,
+)
 from brace_lightning.targets import GAE
 from brace_lightning.targets.functional import gae
 from tests.support.reference_targets import reference_targets
@@ -325,6 +331,104 @@ def test_step_size_arguments_are_checked_in_one_sentence(kwargs, message):
         ESSAdaptiveStepSize(**kwargs)
 
 
+def _slow_staleness_scale(
+    versions: torch.Tensor, mask: torch.Tensor, policy_version: int, lr: float, budget: float
+) -> tuple[float, float]:
+    ages = [policy_version - int(v) for v in versions[mask].tolist()]
+    mean = sum(ages) / len(ages)
+    return mean, min(1.0, budget / (mean * lr)) if mean > 0 else 1.0
+
+
+@pytest.mark.parametrize(
+    ("policy_version", "lr", "budget"), [(9, 2e-4, 8e-4), (16, 5e-5, 8e-4), (3, 1e-4, 8e-4)]
+)
+def test_the_staleness_factor_matches_a_float64_loop(policy_version, lr, budget):
+    batch = fixed_batch()
+    g = torch.Generator().manual_seed(5)
+    sampled = torch.randint(0, policy_version + 1, batch.versions.shape, generator=g)
+    batch.versions = torch.where(batch.mask, sampled, -1)
+    mean, expected = _slow_staleness_scale(batch.versions, batch.mask, policy_version, lr, budget)
+    assert math.isclose(
+        global_mean_staleness(batch, policy_version, _OneRank()), mean, rel_tol=1e-15
+    )
+    rule = StalenessAdaptiveStepSize(lr_budget=budget)
+    got = rule.scale(mean, lr)
+    assert math.isclose(got, expected, rel_tol=1e-15)
+    assert (got < 1.0) == (mean * lr > budget)
+
+
+def test_the_staleness_factor_is_exactly_one_within_the_budget_and_caps_the_product():
+    rule = StalenessAdaptiveStepSize(lr_budget=8e-4)
+    assert rule.scale(0.0, 2e-4) == 1.0  # on-policy
+    assert rule.scale(4.0, 2e-4) == 1.0  # S·lr = 8e-4, the budget itself: the full step
+    assert rule.scale(16.0, 5e-5) == 1.0  # the same product, bit for bit
+    for staleness in (5.0, 8.0, 16.0, 100.0):
+        scaled_lr = 2e-4 * rule.scale(staleness, 2e-4)
+        assert math.isclose(staleness * scaled_lr, 8e-4, rel_tol=1e-12)  # S̄ × lr = B
+
+
+def test_staleness_and_ess_factors_multiply_and_each_is_logged():
+    batch = fixed_batch()
+    batch.versions = torch.where(batch.mask, 2, -1)  # 8 versions old at version 10
+    g = torch.Generator().manual_seed(2)
+    proximal = batch.behavior_logprobs + torch.randn(batch.mask.shape, generator=g) * 0.5
+
+    class Scored:
+        pass
+
+    scored = Scored()
+    scored.proximal = proximal
+    ess = ESSAdaptiveStepSize(power=0.5, min_scale=0.01)
+    rule = StalenessAdaptiveStepSize(lr_budget=8e-4, ess=ess)
+    metrics: dict[str, float] = {}
+    scale = actor_lr_scale(rule, batch, scored, _OneRank(), metrics, policy_version=10, lr=2e-4)
+    ess_factor = ess(proximal, batch.behavior_logprobs, batch.mask, _OneRank())
+    assert metrics["lr/actor_scale_staleness"] == 0.5 and ess_factor < 1.0
+    assert metrics["lr/actor_scale_ess"] == ess_factor
+    assert scale == metrics["lr/actor_scale"] == 0.5 * ess_factor
+    alone: dict[str, float] = {}  # the ESS rule alone logs its factor under one name, as before
+    assert actor_lr_scale(ess, batch, scored, _OneRank(), alone, policy_version=10, lr=2e-4) == (
+        ess_factor
+    )
+    assert alone == {"lr/actor_scale": ess_factor}
+
+
+def test_a_fresh_batch_under_the_staleness_rule_trains_bit_for_bit_as_without_it():
+    batch = fixed_batch()
+    plain = sgd_module(seed=0)
+    ruled = sgd_module(seed=0, actor_step_size=StalenessAdaptiveStepSize(lr_budget=1e-3))
+    plain_metrics, metrics = fit_steps(plain, batch), fit_steps(ruled, batch)
+    assert metrics["lr/actor_scale"] == metrics["lr/actor_scale_staleness"] == 1.0
+    assert "lr/actor_scale" not in plain_metrics
+    for name, value in weights(plain.actor).items():
+        assert torch.equal(value, weights(ruled.actor)[name])
+
+
+def test_a_stale_batch_moves_the_actor_budget_over_staleness_times_lr_as_far():
+    """SGD at lr 1, 4 versions stale, budget 0.5: the step runs at lr 0.125 (= 0.5 / 4)."""
+    batch = fixed_batch()
+    plain = sgd_module(seed=0)
+    ruled = sgd_module(seed=0, actor_step_size=StalenessAdaptiveStepSize(lr_budget=0.5))
+    for module in (plain, ruled):
+        module.policy_version = 4  # the batch's tokens are version 0
+    start = weights(plain.actor)
+    fit_steps(plain, batch)
+    metrics = fit_steps(ruled, batch)
+    assert metrics["lr/actor_scale_staleness"] == 0.125
+    assert metrics["lr/actor"] == 1.0  # the lr is restored
+    moved_plain, moved = weights(plain.actor), weights(ruled.actor)
+    for name, w0 in start.items():
+        torch.testing.assert_close(
+            moved[name] - w0, 0.125 * (moved_plain[name] - w0), rtol=1e-4, atol=1e-7
+        )
+
+
+@pytest.mark.parametrize("budget", [0.0, -1.0, math.inf, True, "1e-3"])
+def test_the_staleness_budget_is_checked_in_one_sentence(budget):
+    with pytest.raises(ValueError, match=r"^lr_budget must be a positive finite number; got .*\.$"):
+        StalenessAdaptiveStepSize(lr_budget=budget)
+
+
 # --------------------------------------------------------------------------- version drift
 
 
@@ -422,3 +526,22 @@ def test_gspo_and_gae_rho_train_in_the_module():
     assert metrics["actor/sequence_ratio_mean"] == pytest.approx(1.0)  # one step: π_θ = π_prox
     # The tiny actor's log-probs sit below the batch's µ: every row's weight is small, yet above 0.05.
     assert metrics["actor/truncated_fraction"] > 0.0 and math.isfinite(metrics["actor/loss"])
+
+
+def test_the_staleness_rule_with_its_ess_rule_survives_a_weights_only_checkpoint(tmp_path):
+    rule = StalenessAdaptiveStepSize(lr_budget=8e-4, ess=ESSAdaptiveStepSize(power=0.5))
+    module = BraceModule(actor_step_size=rule, tiny_hidden_size=32, tiny_num_layers=1)
+    assert module.hparams["actor_step_size"] == {
+        "class_path": "brace_lightning.step_size.StalenessAdaptiveStepSize",
+        "init_args": {
+            "lr_budget": 8e-4,
+            "ess": {
+                "class_path": "brace_lightning.step_size.ESSAdaptiveStepSize",
+                "init_args": {"power": 0.5, "min_scale": 0.1},
+            },
+        },
+    }
+    loaded = BraceModule.load_from_checkpoint(
+        _checkpoint(module, tmp_path / "a.ckpt"), weights_only=True
+    )
+    assert repr(loaded.actor_step_size) == repr(rule)
