@@ -139,15 +139,24 @@ def command(
         run_name="tb",
         overrides=[
             f"--model.actor={warm_actor(out)}",
-            f"--data.init_args.engine.init_args.seed={cell.seed}",
-            f"--data.init_args.lag={cell.lag}",
-            f"--data.init_args.max_staleness={cell.lag}",
-            f"--trainer.max_epochs={steps // every}",
-            f"--trainer.limit_train_batches={every}",
+            *lag_overrides(lag=cell.lag, seed=cell.seed, steps=steps, every=every),
             *extra,
         ],
     )
     return cli_command(args)
+
+
+def lag_overrides(*, lag: int, seed: int, steps: int, every: int) -> list[str]:
+    """The overrides of every staleness run (this grid's, the map's, the shadow recordings'): the
+    engine's sampling ``seed``, the fixed ``lag`` and the same staleness bound, and ``steps``
+    rollout steps as ``steps // every`` epochs of ``every`` (validation after each)."""
+    return [
+        f"--data.init_args.engine.init_args.seed={seed}",
+        f"--data.init_args.lag={lag}",
+        f"--data.init_args.max_staleness={lag}",
+        f"--trainer.max_epochs={steps // every}",
+        f"--trainer.limit_train_batches={every}",
+    ]
 
 
 def warm_actor(out: Path) -> Path:

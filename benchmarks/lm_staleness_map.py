@@ -45,7 +45,14 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks._common import CONFIGS, cli_command, fit_args, markdown_table, target_config
-from benchmarks.lm_staleness import RECIPE, read_cell, run_marked, warm_start, window_mean
+from benchmarks.lm_staleness import (
+    RECIPE,
+    lag_overrides,
+    read_cell,
+    run_marked,
+    warm_start,
+    window_mean,
+)
 from brace_lightning import statistics
 from brace_lightning.sweep import paired_difference
 
@@ -133,11 +140,7 @@ def map_command(
         overrides=[
             f"--model.actor={warm_folder(out, cell.warm) / 'warm_start' / 'actor'}",
             f"--model.actor_optimizer.init_args.lr={cell.lr}",
-            f"--data.init_args.engine.init_args.seed={cell.seed}",
-            f"--data.init_args.lag={cell.lag}",
-            f"--data.init_args.max_staleness={cell.lag}",
-            f"--trainer.max_epochs={steps // every}",
-            f"--trainer.limit_train_batches={every}",
+            *lag_overrides(lag=cell.lag, seed=cell.seed, steps=steps, every=every),
             *extra,
         ],
     )
