@@ -1,7 +1,8 @@
 """The lag × learning-rate map of issue 30: where each configuration survives staleness, and learns.
 
 Grid: configuration ({``recipe``: the counting recipe as it is, ``stable``: the recipe with the
-candidate overlay ``configs/async_stable.yaml``}) × value target ({GAE, BRACE}) × lag S
+candidate overlay ``configs/async_stable.yaml``, and the candidates declared after it,
+:data:`CONFIGURATIONS`}) × value target ({GAE, BRACE}) × lag S
 ({0, 4, 8, 16}) × actor lr ({2.5e-5, 5e-5, 1e-4, 2e-4}) × warm start × seed. Each cell is one
 ``brace-lightning fit`` of the recipe (default ``configs/evidence/long_count.yaml``) with
 ``--data.init_args.lag S`` and ``--model.actor_optimizer.init_args.lr``, from a shared warm-started
@@ -35,6 +36,7 @@ at the boundary cells::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import math
@@ -43,6 +45,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from benchmarks._common import CONFIGS, cli_command, fit_args, markdown_table, target_config
 from benchmarks.lm_staleness import (
@@ -78,6 +82,19 @@ CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
 
 
+def _staleness_budget() -> float:
+    """``lr_budget`` of ``configs/staleness_step_size.yaml`` (the one place it is set)."""
+    overlay = yaml.safe_load((CONFIGS / "staleness_step_size.yaml").read_text())
+    return float(overlay["model"]["actor_step_size"]["init_args"]["lr_budget"])
+
+
+#: Configuration -> (the configuration it trains bit for bit as, the S · lr up to which it does).
+#: ``stable_budget`` is ``stable_rho`` plus a staleness factor that is exactly 1 while S̄ · lr ≤ its
+#: budget (``step_size.StalenessAdaptiveStepSize``; S̄ ≤ S at a fixed lag), so its cells there are
+#: ``stable_rho``'s runs, read (and run) once.
+SAME_RUNS: dict[str, tuple[str, float]] = {"stable_budget": ("stable_rho", _staleness_budget())}
+
+
 @dataclass(frozen=True)
 class MapCell:
     """One run of the map."""
@@ -93,8 +110,17 @@ class MapCell:
         return f"{self.config}/{self.target}/lag{self.lag}/lr{self.lr:g}/warm{self.warm}/seed{self.seed}"
 
     def folder(self, out: Path) -> Path:
-        """Where the cell writes its events and its ``done.json`` marker."""
-        return out / "cells" / Path(str(self))
+        """Where the cell's run writes its events and its ``done.json`` marker (that of
+        :meth:`same_run`)."""
+        return out / "cells" / Path(str(self.same_run()))
+
+    def same_run(self) -> MapCell:
+        """The cell whose run this one is: itself, or where its configuration trains bit for bit
+        as another (:data:`SAME_RUNS`), that configuration's cell."""
+        same = SAME_RUNS.get(self.config)
+        if same is not None and self.lag * self.lr <= same[1]:
+            return dataclasses.replace(self, config=same[0])
+        return self
 
 
 def map_grid(
@@ -396,8 +422,9 @@ def main(argv: Sequence[str] | None = None) -> None:
             status = run_marked(cell.folder(args.out), run(cell), {"cell": cell.__dict__})
             print(f"{cell}: {status}", flush=True)
 
+        runs = list(dict.fromkeys(cell.same_run() for cell in cells))  # each run once
         with ThreadPoolExecutor(args.workers) as pool:
-            list(pool.map(one, cells))
+            list(pool.map(one, runs))
     outcomes, missing = read_outcomes(
         cells, args.out, collapse_window=args.collapse_window,
         collapse_count=args.collapse_count, val_window=args.val_window,

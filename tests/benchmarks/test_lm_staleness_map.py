@@ -143,3 +143,23 @@ def test_a_two_cell_map_runs_resumes_and_writes_its_table_and_figure(
     printed = capsys.readouterr().out
     assert "warm start 0: validation skipped" in printed
     assert all(f"{cell}: skipped" in printed for cell in cells)
+
+
+def test_stable_budget_cells_within_its_budget_are_stable_rhos_runs(tmp_path: Path):
+    """Its staleness factor is exactly 1 while S · lr ≤ the overlay's budget (8e-4), so those
+    cells read (and run) stable_rho's folder; beyond the budget they are runs of their own."""
+    budget = yaml.safe_load((ROOT / "configs" / "staleness_step_size.yaml").read_text())
+    assert lm_map.SAME_RUNS["stable_budget"] == (
+        "stable_rho",
+        budget["model"]["actor_step_size"]["init_args"]["lr_budget"],
+    )
+    for lag, lr in [(0, 2e-4), (4, 2e-4), (8, 1e-4), (16, 5e-5), (16, 2.5e-5)]:
+        cell = MapCell("stable_budget", "gae", lag, lr, 1, 2)
+        assert cell.same_run() == MapCell("stable_rho", "gae", lag, lr, 1, 2)
+        assert cell.folder(tmp_path) == cell.same_run().folder(tmp_path)
+    for lag, lr in [(8, 2e-4), (16, 1e-4), (4, 2.5e-4)]:
+        cell = MapCell("stable_budget", "gae", lag, lr, 0, 0)
+        assert cell.same_run() == cell
+        assert "stable_budget" in str(cell.folder(tmp_path))
+    for config in ("recipe", "stable", "stable_rho"):
+        assert MapCell(config, "brace", 16, 5e-5, 0, 0).same_run().config == config
