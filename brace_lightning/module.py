@@ -110,8 +110,7 @@ class BraceModule(pl.LightningModule):
         kl_coef: weight of the KL to π_ref, the actor as RL training starts; 0 (default): none.
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"`` (default): the per-token KL(π‖π_ref) estimator.
         kl_mode: ``"loss"`` (default; verl): KL in the actor loss; ``"reward"``: on the rewards.
-        actor_step_size: the actor's lr times a factor from the batch's ESS (VCPO) or staleness
-            (``step_size.py``).
+        actor_step_size: the actor's lr times a factor from the batch's ESS or staleness (VCPO).
         log_version_drift: log ``kl/version_drift_k3`` (one more actor forward per step).
         loss_aggregation: the actor loss over the step's tokens: ``"token_mean"`` (default),
             ``"seq_mean_token_sum"``, ``"seq_mean_token_mean"`` (``objectives/aggregation.py``).
@@ -273,17 +272,7 @@ class BraceModule(pl.LightningModule):
             batch, scored, kl_metrics = self._score(batch, plan)
         due = self.rollout_step >= self.critic_warmup_steps
         train_actor = self.equal_rewards.actor_steps(due, batch.scores, self.ranks.reduce_max)
-        lr_scale = None
-        if self.actor_step_size is not None:
-            lr_scale = actor_lr_scale(
-                self.actor_step_size,
-                batch,
-                scored,
-                self.ranks,
-                kl_metrics,
-                policy_version=self.policy_version,
-                lr=optim.actor_lr(self),
-            )
+        lr_scale = actor_lr_scale(self, batch, scored, kl_metrics)
         stats = UpdateStats()
         # One global step and one scheduler step per rollout step (optim.py).
         with timer("update"), optim.rollout_update(self, (train_actor, True)):

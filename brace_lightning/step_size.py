@@ -29,8 +29,10 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 
+from brace_lightning import optim
 from brace_lightning.hparams import from_config
 from brace_lightning.objectives.functional import MAX_LOG_RATIO
 from brace_lightning.ranks import Ranks
@@ -183,7 +185,7 @@ def global_mean_staleness(batch: RolloutBatch, policy_version: int, ranks: Ranks
     return total / count if count > 0 else 0.0
 
 
-def actor_lr_scale(
+def scale_and_log(
     rule: ActorStepSize,
     batch: RolloutBatch,
     scored: Scored,
@@ -205,3 +207,22 @@ def actor_lr_scale(
     if not isinstance(rule, ESSAdaptiveStepSize):
         metrics |= {f"lr/actor_scale_{name}": value for name, value in factors.items()}
     return scale
+
+
+def actor_lr_scale(
+    module: pl.LightningModule, batch: RolloutBatch, scored: Scored, metrics: dict[str, float]
+) -> float | None:
+    """:func:`scale_and_log` of ``module.actor_step_size`` at the module's policy version and its
+    actor's current lr; None without a rule (the optimizer's lr is then left alone)."""
+    rule = module.actor_step_size
+    if rule is None:
+        return None
+    return scale_and_log(
+        rule,
+        batch,
+        scored,
+        module.ranks,
+        metrics,
+        policy_version=module.policy_version,
+        lr=optim.actor_lr(module),
+    )

@@ -17,9 +17,9 @@ from brace_lightning.step_metrics import effective_sample_size_fraction
 from brace_lightning.step_size import (
     ESSAdaptiveStepSize,
     StalenessAdaptiveStepSize,
-    actor_lr_scale,
     global_ess_fraction,
     global_mean_staleness,
+    scale_and_log,
 )
 from brace_lightning.targets import GAE
 from brace_lightning.targets.functional import gae
@@ -381,13 +381,13 @@ def test_staleness_and_ess_factors_multiply_and_each_is_logged():
     ess = ESSAdaptiveStepSize(power=0.5, min_scale=0.01)
     rule = StalenessAdaptiveStepSize(lr_budget=8e-4, ess=ess)
     metrics: dict[str, float] = {}
-    scale = actor_lr_scale(rule, batch, scored, _OneRank(), metrics, policy_version=10, lr=2e-4)
+    scale = scale_and_log(rule, batch, scored, _OneRank(), metrics, policy_version=10, lr=2e-4)
     ess_factor = ess(proximal, batch.behavior_logprobs, batch.mask, _OneRank())
     assert metrics["lr/actor_scale_staleness"] == 0.5 and ess_factor < 1.0
     assert metrics["lr/actor_scale_ess"] == ess_factor
     assert scale == metrics["lr/actor_scale"] == 0.5 * ess_factor
     alone: dict[str, float] = {}  # the ESS rule alone logs its factor under one name, as before
-    assert actor_lr_scale(ess, batch, scored, _OneRank(), alone, policy_version=10, lr=2e-4) == (
+    assert scale_and_log(ess, batch, scored, _OneRank(), alone, policy_version=10, lr=2e-4) == (
         ess_factor
     )
     assert alone == {"lr/actor_scale": ess_factor}
