@@ -15,6 +15,7 @@ import resource
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -203,6 +204,18 @@ def recipe_memory_line(name: str, world_size: int) -> str:
 
 
 # ---------------------------------------------------------------------- timing and memory
+
+
+def exit_with_parent(parent: int, poll_seconds: float = 1.0) -> None:
+    """A process pool's initializer (``initargs=(os.getpid(),)``): the worker exits once the
+    process that started it is gone, so a harness killed mid-grid leaves no orphan at work."""
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
 def positive_int(text: str) -> int:

@@ -53,6 +53,7 @@ import argparse
 import json
 import math
 import multiprocessing
+import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
@@ -62,7 +63,7 @@ from typing import Any
 
 import torch
 
-from benchmarks._common import markdown_table, positive_int
+from benchmarks._common import exit_with_parent, markdown_table, positive_int
 from benchmarks.lm_staleness import RECIPE, run_marked
 from benchmarks.lm_staleness_map import MapCell, map_command, prepare_warm_start
 from brace_lightning import optim
@@ -359,7 +360,9 @@ def train_runs(
             print(f"train {name} {variant} budget {budget}: done in {seconds:.0f} s", flush=True)
         return
     context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=exit_with_parent, initargs=(os.getpid(),)
+    ) as pool:
         futures = {pool.submit(train_one, f, v, b): (n, v, b) for n, f, v, b in jobs}
         for future in as_completed(futures):
             name, variant, budget = futures[future]
