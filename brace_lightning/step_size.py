@@ -72,11 +72,11 @@ class ActorStepSize:
         proximal: torch.Tensor,
         ranks: Ranks,
         *,
-        staleness: float,
+        policy_version: int,
         lr: float,
     ) -> dict[str, float]:
-        """The factors for ``batch`` (log π_prox ``proximal`` ``[B, T]``), its mean ``staleness``
-        over all ranks' action tokens and the actor's current (unscaled) ``lr``, by name."""
+        """The factors for ``batch`` (log π_prox ``proximal`` ``[B, T]``) with the trainer at
+        ``policy_version`` and the actor's current (unscaled) ``lr``, by name."""
         raise NotImplementedError
 
 
@@ -118,7 +118,7 @@ class ESSAdaptiveStepSize(ActorStepSize):
         proximal: torch.Tensor,
         ranks: Ranks,
         *,
-        staleness: float,
+        policy_version: int,
         lr: float,
     ) -> dict[str, float]:
         return {"ess": self(proximal, batch.behavior_logprobs, batch.mask, ranks)}
@@ -162,12 +162,13 @@ class StalenessAdaptiveStepSize(ActorStepSize):
         proximal: torch.Tensor,
         ranks: Ranks,
         *,
-        staleness: float,
+        policy_version: int,
         lr: float,
     ) -> dict[str, float]:
+        staleness = global_mean_staleness(batch, policy_version, ranks)
         out = {"staleness": self.scale(staleness, lr)}
         if self.ess is not None:
-            out |= self.ess.factors(batch, proximal, ranks, staleness=staleness, lr=lr)
+            out |= self.ess.factors(batch, proximal, ranks, policy_version=policy_version, lr=lr)
         return out
 
     def __repr__(self) -> str:
@@ -198,11 +199,8 @@ def scale_and_log(
     """The product of ``rule``'s factors for ``batch`` (π_prox from ``scored``; the trainer at
     ``policy_version``; the actor's unscaled ``lr``), put in ``metrics`` as ``lr/actor_scale``, and
     each factor of a rule other than the ESS rule alone as ``lr/actor_scale_<name>``."""
-    staleness = global_mean_staleness(batch, policy_version, ranks)
-    factors = rule.factors(batch, scored.proximal, ranks, staleness=staleness, lr=lr)
-    scale = 1.0
-    for value in factors.values():
-        scale *= value
+    factors = rule.factors(batch, scored.proximal, ranks, policy_version=policy_version, lr=lr)
+    scale = math.prod(factors.values())
     metrics["lr/actor_scale"] = scale
     if not isinstance(rule, ESSAdaptiveStepSize):
         metrics |= {f"lr/actor_scale_{name}": value for name, value in factors.items()}
