@@ -545,3 +545,11 @@ def test_the_staleness_rule_with_its_ess_rule_survives_a_weights_only_checkpoint
         _checkpoint(module, tmp_path / "a.ckpt"), weights_only=True
     )
     assert repr(loaded.actor_step_size) == repr(rule)
+
+
+def test_a_bad_ess_rule_is_named_in_one_sentence():
+    with pytest.raises(
+        ValueError,
+        match=r"^ess must be a brace_lightning\.step_size\.ESSAdaptiveStepSize or a .*; got 0\.5\.$",
+    ):
+        StalenessAdaptiveStepSize(lr_budget=8e-4, ess=0.5)
