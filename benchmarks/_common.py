@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import signal
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +24,7 @@ import torch
 from transformers import Qwen2Config
 
 from brace_lightning.models.memory import fsdp_bytes_per_rank
+from brace_lightning.rollout.orphans import die_with_parent
 from brace_lightning.sweep import markdown_table, table_header, table_row
 
 __all__ = [
@@ -33,6 +34,7 @@ __all__ = [
     "QWEN25_05B",
     "REPO",
     "cli_command",
+    "exit_with_parent",
     "fit_args",
     "in_mmap_subprocess",
     "interleaved_median_seconds",
@@ -45,6 +47,7 @@ __all__ = [
     "qwen2_config",
     "recipe_memory_line",
     "run_mmap_subprocess",
+    "stop_with_parent",
     "subprocess_env",
     "table_header",
     "table_row",
@@ -116,8 +119,10 @@ def fit_args(
 
 def cli_command(args: Sequence[str]) -> list[str]:
     """``args`` (such as :func:`fit_args`) as a ``brace-lightning`` command run by this
-    interpreter, for a subprocess."""
-    return [sys.executable, "-m", "brace_lightning.cli", *args]
+    interpreter, for a subprocess, through ``benchmarks._follow``: the fit stops when the process
+    that started it is gone, so a harness killed mid-grid leaves no fit running (nor a cell that
+    a rerun would repeat while the orphan still writes to it)."""
+    return [sys.executable, "-m", "benchmarks._follow", "brace_lightning.cli", *args]
 
 
 def subprocess_env() -> dict[str, str]:
@@ -208,14 +213,20 @@ def recipe_memory_line(name: str, world_size: int) -> str:
 
 def exit_with_parent(parent: int, poll_seconds: float = 1.0) -> None:
     """A process pool's initializer (``initargs=(os.getpid(),)``): the worker exits once the
-    process that started it is gone, so a harness killed mid-grid leaves no orphan at work."""
+    process that started it is gone, so a harness killed mid-grid leaves no orphan at work.
 
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_seconds)
-        os._exit(1)
+    Polled only (no Linux parent-death signal): a pool may start its workers from a thread that
+    ends before they do, and the kernel's signal follows the thread."""
+    die_with_parent(parent, poll_seconds=poll_seconds, death_signal=False)
 
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
+
+def stop_with_parent(parent: int, poll_seconds: float = 1.0, grace_seconds: float = 120.0) -> None:
+    """Send this process SIGTERM once its parent ``parent`` is gone, and end it ``grace_seconds``
+    later if it still runs: a fit stops as Lightning stops on SIGTERM (at the next batch, its
+    teardown and callbacks run), and one that does not, ends anyway."""
+    die_with_parent(
+        parent, poll_seconds=poll_seconds, stop_signal=signal.SIGTERM, grace_seconds=grace_seconds
+    )
 
 
 def positive_int(text: str) -> int:

@@ -46,18 +46,27 @@ def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
         return False
 
 
-def _end(kill_group: bool) -> None:
+def _end(kill_group: bool, stop_signal: int | None = None, grace_seconds: float = 0.0) -> None:
+    if stop_signal is not None:
+        os.kill(os.getpid(), stop_signal)
+        time.sleep(grace_seconds)
     if kill_group:
         with contextlib.suppress(OSError):
             os.killpg(os.getpgrp(), signal.SIGKILL)
     os._exit(1)
 
 
-def _watch(parent_pid: int, poll_seconds: float, kill_group: bool) -> None:
+def _watch(
+    parent_pid: int,
+    poll_seconds: float,
+    kill_group: bool,
+    stop_signal: int | None,
+    grace_seconds: float,
+) -> None:
     while True:
         time.sleep(poll_seconds)
         if os.getppid() != parent_pid:
-            _end(kill_group)
+            _end(kill_group, stop_signal, grace_seconds)
 
 
 def die_with_parent(
@@ -66,6 +75,8 @@ def die_with_parent(
     poll_seconds: float = 0.5,
     kill_group: bool = False,
     death_signal: bool = True,
+    stop_signal: int | None = None,
+    grace_seconds: float = 120.0,
 ) -> None:
     """End this process (or its process group) when ``parent_pid`` stops being its parent.
 
@@ -76,15 +87,20 @@ def die_with_parent(
         kill_group: end the whole process group (a server and the engine processes it started)
             rather than this process only; then no kernel death signal is set, since it would end
             this process before the watchdog could end the group.
-        death_signal: also set Linux's ``PR_SET_PDEATHSIG`` (SIGKILL) when ``kill_group`` is False.
+        death_signal: also set Linux's ``PR_SET_PDEATHSIG`` (SIGKILL) when ``kill_group`` is False
+            and no ``stop_signal`` is given.
+        stop_signal: first send this process this signal (SIGTERM: a Lightning fit stops at its
+            next batch, running its teardown and callbacks), and end it only ``grace_seconds``
+            later if it still runs. Noticed by the watchdog only, so within ``poll_seconds``.
+        grace_seconds: how long a ``stop_signal`` gets before the process is ended.
     """
-    if death_signal and not kill_group:
+    if death_signal and not kill_group and stop_signal is None:
         set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent_pid:
+    if os.getppid() != parent_pid and stop_signal is None:
         _end(kill_group)
     threading.Thread(
         target=_watch,
-        args=(parent_pid, poll_seconds, kill_group),
+        args=(parent_pid, poll_seconds, kill_group, stop_signal, grace_seconds),
         name="parent-watchdog",
         daemon=True,
     ).start()
