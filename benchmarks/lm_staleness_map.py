@@ -289,21 +289,24 @@ def map_tables(outcomes: dict[MapCell, Outcome], warm_rewards: dict[int, float])
         sections.append(f"**{config}, {target}**\n\n" + markdown_table(header, rows))
     tests = []
     for config, target, lag, lr in sorted(groups):
-        if config != "stable" or ("recipe", target, lag, lr) not in groups:
+        if config == "recipe" or ("recipe", target, lag, lr) not in groups:
             continue
         counts = []
-        for name in ("stable", "recipe"):
+        for name in (config, "recipe"):
             runs = groups[(name, target, lag, lr)]
             alive = sum(o.survived for _, o in runs)
             counts.append((alive, len(runs) - alive))
         p = fisher_exact((counts[0], counts[1]))
         tests.append(
-            [target, lag, f"{lr:g}", f"{counts[0][0]}/{sum(counts[0])}"]
+            [config, target, lag, f"{lr:g}", f"{counts[0][0]}/{sum(counts[0])}"]
             + [f"{counts[1][0]}/{sum(counts[1])}", f"{p:.3g}"]
         )
     if tests:
-        header = ["target", "S", "actor lr", "stable alive", "recipe alive", "Fisher exact p"]
-        sections.append("**survival, stable vs recipe**\n\n" + markdown_table(header, tests))
+        header = ["candidate", "target", "S", "actor lr", "alive", "recipe alive", "Fisher exact p"]
+        sections.append(
+            "**survival, each candidate vs the recipe at the same cell**\n\n"
+            + markdown_table(header, tests)
+        )
     diffs = []
     for (config, target, lag, lr), runs in sorted(groups.items()):
         on_policy = groups.get((config, target, 0, lr))

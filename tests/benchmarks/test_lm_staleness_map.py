@@ -77,10 +77,15 @@ def test_the_map_tables_count_survivors_and_test_the_configurations():
         outcomes[MapCell("recipe", "gae", 8, 2e-4, 0, seed)] = Outcome(False, 0.0)
         outcomes[MapCell("stable", "gae", 8, 2e-4, 0, seed)] = Outcome(True, 0.4)
         outcomes[MapCell("stable", "gae", 0, 2e-4, 0, seed)] = Outcome(True, 0.5 + seed / 100)
+        outcomes[MapCell("stable_rho", "gae", 8, 2e-4, 0, seed)] = Outcome(seed > 0, 0.4)
+    outcomes[MapCell("stable_rho", "gae", 16, 2e-4, 0, 0)] = Outcome(True, 0.4)  # no recipe run
     text = lm_map.map_tables(outcomes, {0: 0.3})
     assert "| 8 | 5/5 alive, val 0.400, 5 learned |" in text
     assert "| 8 | 0/5 alive, val 0.000, 0 learned |" in text
-    assert f"| gae | 8 | 0.0002 | 5/5 | 0/5 | {2 / 252:.3g} |" in text
+    assert f"| stable | gae | 8 | 0.0002 | 5/5 | 0/5 | {2 / 252:.3g} |" in text
+    # every candidate is tested against the recipe where both ran: 4/5 vs 0/5 is p = 10/210
+    assert f"| stable_rho | gae | 8 | 0.0002 | 4/5 | 0/5 | {10 / 210:.3g} |" in text
+    assert "| stable_rho | gae | 16 |" not in text
     assert "| stable | gae | 8 | 0.0002 | 5 | -0.120" in text
 
 
