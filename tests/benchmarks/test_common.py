@@ -24,6 +24,32 @@ def _running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
+def _first_line_pid(harness: subprocess.Popen) -> int:
+    """The pid the harness's child prints first; the harness is killed if none comes."""
+    try:
+        return int(harness.stdout.readline())
+    except ValueError:
+        harness.kill()
+        harness.wait()
+        harness.stdout.close()
+        raise
+
+
+def _kill_and_wait_for(harness: subprocess.Popen, child: int, seconds: float) -> bool:
+    """SIGKILL the harness (no handler, no cleanup in it); whether ``child`` ended within
+    ``seconds`` (killed here if not)."""
+    harness.kill()
+    harness.wait()
+    harness.stdout.close()
+    deadline = time.monotonic() + seconds
+    while _running(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    if _running(child):
+        os.kill(child, 9)
+        return False
+    return True
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
 def test_a_pool_worker_exits_when_the_harness_that_started_it_is_killed(tmp_path):
     parent = tmp_path / "harness.py"
@@ -48,19 +74,9 @@ def test_a_pool_worker_exits_when_the_harness_that_started_it_is_killed(tmp_path
         )
     )
     harness = subprocess.Popen([sys.executable, str(parent)], stdout=subprocess.PIPE, text=True)
-    try:
-        worker = int(harness.stdout.readline())
-        assert _running(worker)
-    finally:
-        harness.kill()  # SIGKILL: no handler, no cleanup in the harness
-        harness.wait()
-        harness.stdout.close()
-    deadline = time.monotonic() + 60
-    while _running(worker) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _running(worker):
-        os.kill(worker, 9)
-        pytest.fail(f"the pool worker {worker} outlived its killed harness by 60 s")
+    worker = _first_line_pid(harness)
+    assert _running(worker)
+    assert _kill_and_wait_for(harness, worker, 60), f"the pool worker {worker} outlived its harness"
 
 
 def _harness_running(tmp_path: Path, child: str) -> tuple[subprocess.Popen, int]:
@@ -82,21 +98,7 @@ def _harness_running(tmp_path: Path, child: str) -> tuple[subprocess.Popen, int]
     process = subprocess.Popen(
         [sys.executable, str(harness)], stdout=subprocess.PIPE, text=True, env=env, cwd=tmp_path
     )
-    return process, int(process.stdout.readline())
-
-
-def _kill_and_wait_for(harness: subprocess.Popen, child: int, seconds: float) -> bool:
-    """SIGKILL the harness; whether ``child`` ended within ``seconds`` (killed here if not)."""
-    harness.kill()
-    harness.wait()
-    harness.stdout.close()
-    deadline = time.monotonic() + seconds
-    while _running(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    if _running(child):
-        os.kill(child, 9)
-        return False
-    return True
+    return process, _first_line_pid(process)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="reads /proc (Linux)")
