@@ -78,6 +78,18 @@ CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
         CONFIGS / "targets" / "rho_in_advantage.yaml",
         CONFIGS / "staleness_step_size.yaml",
     ),
+    # The fourth (declared 2026-12-06 21:50 UTC after the third survived S = 8, lr 2e-4 in 6/6 runs
+    # but learned in 1/6): the third with half its budget, S̄ · lr ≤ 4e-4 (OVERRIDES), so a batch
+    # 8 versions old trains the actor at 5e-5, the lr at which the stale runs that learned ran.
+    "stable_budget_4e-4": (
+        CONFIGS / "async_stable.yaml",
+        CONFIGS / "targets" / "rho_in_advantage.yaml",
+        CONFIGS / "staleness_step_size.yaml",
+    ),
+}
+#: Configuration -> CLI overrides after its overlays (a setting an overlay file does not carry).
+OVERRIDES: dict[str, tuple[str, ...]] = {
+    "stable_budget_4e-4": ("--model.actor_step_size.init_args.lr_budget=0.0004",),
 }
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
 
@@ -92,7 +104,10 @@ def _staleness_budget() -> float:
 #: ``stable_budget`` is ``stable_rho`` plus a staleness factor that is exactly 1 while S̄ · lr ≤ its
 #: budget (``step_size.StalenessAdaptiveStepSize``; S̄ ≤ S at a fixed lag), so its cells there are
 #: ``stable_rho``'s runs, read (and run) once.
-SAME_RUNS: dict[str, tuple[str, float]] = {"stable_budget": ("stable_rho", _staleness_budget())}
+SAME_RUNS: dict[str, tuple[str, float]] = {
+    "stable_budget": ("stable_rho", _staleness_budget()),
+    "stable_budget_4e-4": ("stable_rho", 4e-4),
+}
 
 
 @dataclass(frozen=True)
@@ -167,6 +182,7 @@ def map_command(
             f"--model.actor={warm_folder(out, cell.warm) / 'warm_start' / 'actor'}",
             f"--model.actor_optimizer.init_args.lr={cell.lr}",
             *lag_overrides(lag=cell.lag, seed=cell.seed, steps=steps, every=every),
+            *OVERRIDES.get(cell.config, ()),
             *extra,
         ],
     )

@@ -168,3 +168,25 @@ def test_stable_budget_cells_within_its_budget_are_stable_rhos_runs(tmp_path: Pa
         assert "stable_budget" in str(cell.folder(tmp_path))
     for config in ("recipe", "stable", "stable_rho"):
         assert MapCell(config, "brace", 16, 5e-5, 0, 0).same_run().config == config
+
+
+def test_the_half_budget_candidate_is_stable_budget_with_lr_budget_4e_4(tmp_path: Path):
+    """The fourth candidate runs stable_budget's overlays with one override, lr_budget 4e-4: its
+    cells with S · lr ≤ 4e-4 are stable_rho's runs, stable_budget's cell at S = 8, lr 1e-4 (8e-4,
+    within the overlay's budget) is not, and its commands carry the override after the overlays."""
+    config = "stable_budget_4e-4"
+    assert lm_map.CONFIGURATIONS[config] == lm_map.CONFIGURATIONS["stable_budget"]
+    assert lm_map.SAME_RUNS[config] == ("stable_rho", 4e-4)
+    for lag, lr in [(8, 5e-5), (16, 2.5e-5), (4, 1e-4), (0, 2e-4)]:
+        assert MapCell(config, "gae", lag, lr, 0, 0).same_run().config == "stable_rho"
+    for lag, lr in [(8, 1e-4), (8, 2e-4), (16, 5e-5)]:
+        assert MapCell(config, "gae", lag, lr, 0, 0).same_run().config == config
+    override = "--model.actor_step_size.init_args.lr_budget=0.0004"
+    recipe = ROOT / "configs" / "quickstart.yaml"
+    cell = MapCell(config, "gae", 8, 2e-4, 0, 0)
+    command = lm_map.map_command(cell, tmp_path, steps=4, every=2, recipe=recipe, extra=["--x=1"])
+    assert command.index(override) < command.index("--x=1")
+    assert str(ROOT / "configs" / "staleness_step_size.yaml") in command
+    budget = MapCell("stable_budget", "gae", 8, 2e-4, 0, 0)
+    plain = lm_map.map_command(budget, tmp_path, steps=4, every=2, recipe=recipe, extra=[])
+    assert override not in plain
