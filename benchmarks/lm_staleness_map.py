@@ -78,7 +78,7 @@ CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
         CONFIGS / "targets" / "rho_in_advantage.yaml",
         CONFIGS / "staleness_step_size.yaml",
     ),
-    # The fourth (declared 2026-12-06 21:50 UTC after the third survived S = 8, lr 2e-4 in 6/6 runs
+    # The fourth (declared 2026-12-06 21:17 UTC after the third survived S = 8, lr 2e-4 in 6/6 runs
     # but learned in 1/6): the third with half its budget, S̄ · lr ≤ 4e-4 (OVERRIDES), so a batch
     # 8 versions old trains the actor at 5e-5, the lr at which the stale runs that learned ran.
     "stable_budget_4e-4": (
