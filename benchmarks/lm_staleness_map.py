@@ -87,9 +87,11 @@ CONFIGURATIONS: dict[str, tuple[Path, ...]] = {
         CONFIGS / "staleness_step_size.yaml",
     ),
 }
+#: The fourth candidate's staleness budget (versions × learning rate).
+HALF_BUDGET = 4e-4
 #: Configuration -> CLI overrides after its overlays (a setting an overlay file does not carry).
 OVERRIDES: dict[str, tuple[str, ...]] = {
-    "stable_budget_4e-4": ("--model.actor_step_size.init_args.lr_budget=0.0004",),
+    "stable_budget_4e-4": (f"--model.actor_step_size.init_args.lr_budget={HALF_BUDGET}",),
 }
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
 
@@ -106,7 +108,7 @@ def _staleness_budget() -> float:
 #: ``stable_rho``'s runs, read (and run) once.
 SAME_RUNS: dict[str, tuple[str, float]] = {
     "stable_budget": ("stable_rho", _staleness_budget()),
-    "stable_budget_4e-4": ("stable_rho", 4e-4),
+    "stable_budget_4e-4": ("stable_rho", HALF_BUDGET),
 }
 
 
