@@ -58,6 +58,7 @@ from benchmarks.lm_staleness import (
     window_mean,
 )
 from brace_lightning import statistics
+from brace_lightning.callbacks import COLLAPSE_SIGNALS, CollapseWarning, warning_positions
 from brace_lightning.sweep import paired_difference
 
 LAGS = (0, 4, 8, 16)
@@ -274,6 +275,51 @@ def read_outcomes(
     return outcomes, missing
 
 
+def first_warnings(
+    series: dict[str, list[tuple[int, float]]], watch: CollapseWarning
+) -> dict[str, int | None]:
+    """Per signal ``watch`` watches (``COLLAPSE_SIGNALS``' threshold names), the rollout step at
+    which it would first have warned on a recorded run's ``series``, or None: the callback's own
+    rule (:func:`brace_lightning.callbacks.warning_positions`) replayed on the logged values."""
+    first: dict[str, int | None] = {}
+    for name, threshold in watch.thresholds.items():
+        logged = sorted(series.get(COLLAPSE_SIGNALS[name].key, []))
+        positions = warning_positions([v for _, v in logged], threshold, watch.patience)
+        first[name] = logged[positions[0]][0] if positions else None
+    return first
+
+
+def warning_table(
+    outcomes: dict[MapCell, Outcome],
+    warnings: dict[MapCell, dict[str, int | None]],
+    watch: CollapseWarning,
+) -> str:
+    """Markdown, post hoc: per configuration, how many collapsed and how many surviving runs each
+    signal of ``watch`` would have warned on (``warnings``: :func:`first_warnings` per run), and
+    the median step of its first warning in the collapsed runs."""
+    rows = []
+    for config in sorted({cell.config for cell in outcomes}):
+        cells = [cell for cell in outcomes if cell.config == config]
+        down = [cell for cell in cells if not outcomes[cell].survived]
+        alive = [cell for cell in cells if outcomes[cell].survived]
+        row: list[Any] = [config, len(down), len(alive)]
+        for name in watch.thresholds:
+            steps = sorted(s for c in down if (s := warnings[c].get(name)) is not None)
+            false = sum(warnings[c].get(name) is not None for c in alive)
+            middle = (steps[(len(steps) - 1) // 2] + steps[len(steps) // 2]) / 2 if steps else 0
+            median = f", median step {middle:g}" if steps else ""
+            row.append(f"{len(steps)}/{len(down)}{median}; survivors {false}/{len(alive)}")
+        rows.append(row)
+    header = ["configuration", "collapsed", "survived"]
+    header += [f"{COLLAPSE_SIGNALS[n].key} > {t:g}" for n, t in watch.thresholds.items()]
+    return (
+        f"**the CollapseWarning defaults (patience {watch.patience}) replayed on every run, post "
+        "hoc: the collapsed runs and the survivors each signal would have warned on** (a "
+        "configuration's cells that are another's runs, SAME_RUNS, count in both rows)\n\n"
+        + markdown_table(header, rows)
+    )
+
+
 def _key(cell: MapCell) -> tuple[str, str, int, float]:
     return cell.config, cell.target, cell.lag, cell.lr
 
@@ -452,6 +498,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     )  # fmt: skip
     warm_rewards = {warm: warm_validation(args.out, warm) for warm in args.warm_seeds}
     text = map_tables(outcomes, warm_rewards)
+    if outcomes:
+        watch = CollapseWarning()
+        warnings = {
+            cell: first_warnings(read_cell(cell.folder(args.out)), watch) for cell in outcomes
+        }
+        text += "\n\n" + warning_table(outcomes, warnings, watch)
     (args.out / "map.md").write_text(text + "\n")
     (args.out / "outcomes.json").write_text(
         json.dumps([{**c.__dict__, **o.__dict__} for c, o in outcomes.items()], indent=1)

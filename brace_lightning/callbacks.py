@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,6 +160,24 @@ COLLAPSE_SIGNALS = {
 }
 
 
+def next_run(run: int, value: float, threshold: float) -> int:
+    """The number of consecutive steps past ``threshold`` after one more step at ``value``, from
+    ``run`` before it: :class:`CollapseWarning` warns when it reaches its ``patience``."""
+    return run + 1 if value > threshold else 0
+
+
+def warning_positions(values: Sequence[float], threshold: float, patience: int) -> list[int]:
+    """The 0-based positions in ``values`` (one signal's logged values, in step order) at which
+    :class:`CollapseWarning` with this ``threshold`` and ``patience`` would warn: replays its rule
+    on a recorded run."""
+    positions, run = [], 0
+    for position, value in enumerate(values):
+        run = next_run(run, value, threshold)
+        if run == patience:
+            positions.append(position)
+    return positions
+
+
 class CollapseWarning(pl.Callback):
     """One warning line when a collapse signal stays past its threshold for ``patience`` steps.
 
@@ -218,7 +237,7 @@ class CollapseWarning(pl.Callback):
             if signal.key not in metrics:
                 continue
             value = float(metrics[signal.key])
-            self.runs[name] = self.runs[name] + 1 if value > threshold else 0
+            self.runs[name] = next_run(self.runs[name], value, threshold)
             if self.runs[name] != self.patience:
                 continue
             step = int(metrics["step"]) if "step" in metrics else trainer.global_step

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 
-from brace_lightning.callbacks import CollapseWarning
+from brace_lightning.callbacks import CollapseWarning, warning_positions
 from brace_lightning.equal_rewards import (
     EqualRewards,
     equal_reward_group_fraction,
@@ -316,3 +316,19 @@ def test_the_collapse_warning_refuses_bad_arguments_in_one_sentence(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         CollapseWarning(**kwargs)
+
+
+def test_the_replay_of_the_warning_rule_warns_where_the_callback_does() -> None:
+    """warning_positions replays the callback's rule on a recorded series: it warns at the same
+    steps as CollapseWarning fed the same values, and again only after the signal dropped back."""
+    kl = [0.01, 0.03, 0.03, 0.02, 0.05, 0.05, 0.05, 0.05, 0.0, 0.04, 0.04, 0.04, 0.04]
+    callback = CollapseWarning(kl_threshold=0.02, patience=3)
+    trainer = _FakeTrainer()
+    warned = []
+    for position, value in enumerate(kl):
+        _feed(callback, trainer, [{"kl/mu_pi_k3": value}])
+        if len(callback.warnings) > len(warned):
+            warned.append(position)
+    assert warning_positions(kl, 0.02, 3) == warned == [6, 11]
+    assert warning_positions(kl, 0.05, 1) == []  # strictly above the threshold
+    assert warning_positions([], 0.02, 3) == []

@@ -190,3 +190,26 @@ def test_the_half_budget_candidate_is_stable_budget_with_lr_budget_4e_4(tmp_path
     budget = MapCell("stable_budget", "gae", 8, 2e-4, 0, 0)
     plain = lm_map.map_command(budget, tmp_path, steps=4, every=2, recipe=recipe, extra=[])
     assert override not in plain
+
+
+def test_the_warning_table_replays_the_default_collapse_warning_on_each_run():
+    """first_warnings gives the step of a run's first warning per signal (the callback's rule on
+    its logged series), and the table counts collapsed runs and survivors it would have warned
+    on, per configuration."""
+    from brace_lightning.callbacks import CollapseWarning
+
+    watch = CollapseWarning(patience=3)
+    kl = [(step, 0.05 if step >= 10 else 0.0) for step in range(1, 21)]
+    series = {"kl/mu_pi_k3": kl, "rollout/length_capped_fraction": [(1, 1.0), (2, 1.0)]}
+    first = lm_map.first_warnings(series, watch)
+    assert first == {
+        "kl_threshold": 12,
+        "length_cap_threshold": None,
+        "equal_reward_threshold": None,
+    }
+    down, alive, quiet = (MapCell("recipe", "gae", 8, 2e-4, 0, s) for s in range(3))
+    outcomes = {down: Outcome(False, 0.0), alive: Outcome(True, 0.4), quiet: Outcome(True, 0.5)}
+    warnings = {down: first, alive: first, quiet: dict.fromkeys(first)}
+    text = lm_map.warning_table(outcomes, warnings, watch)
+    assert "| recipe | 1 | 2 | 1/1, median step 12; survivors 1/2 | 0/1; survivors 0/2 |" in text
+    assert "kl/mu_pi_k3 > 0.02" in text and "patience 3" in text
