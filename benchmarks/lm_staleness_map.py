@@ -44,6 +44,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import yaml
@@ -95,6 +96,9 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "stable_budget_4e-4": (f"--model.actor_step_size.init_args.lr_budget={HALF_BUDGET}",),
 }
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
+#: A finished run's scalar series, read from its event file once per process: the outcomes and the
+#: warning replay read the same runs, and a configuration's SAME_RUNS cells are another's runs.
+read_series = functools.cache(read_cell)
 
 
 def _staleness_budget() -> float:
@@ -267,7 +271,7 @@ def read_outcomes(
         if not (cell.folder(out) / "done.json").exists():
             missing.append(cell)
             continue
-        series = read_cell(cell.folder(out))
+        series = read_series(cell.folder(out))
         survived = not collapsed(
             series["rollout/reward"], window=collapse_window, count=collapse_count
         )
@@ -304,11 +308,10 @@ def warning_table(
         alive = [cell for cell in cells if outcomes[cell].survived]
         row: list[Any] = [config, len(down), len(alive)]
         for name in watch.thresholds:
-            steps = sorted(s for c in down if (s := warnings[c].get(name)) is not None)
+            steps = [s for c in down if (s := warnings[c].get(name)) is not None]
             false = sum(warnings[c].get(name) is not None for c in alive)
-            middle = (steps[(len(steps) - 1) // 2] + steps[len(steps) // 2]) / 2 if steps else 0
-            median = f", median step {middle:g}" if steps else ""
-            row.append(f"{len(steps)}/{len(down)}{median}; survivors {false}/{len(alive)}")
+            middle = f", median step {median(steps):g}" if steps else ""
+            row.append(f"{len(steps)}/{len(down)}{middle}; survivors {false}/{len(alive)}")
         rows.append(row)
     header = ["configuration", "collapsed", "survived"]
     header += [f"{COLLAPSE_SIGNALS[n].key} > {t:g}" for n, t in watch.thresholds.items()]
@@ -501,7 +504,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if outcomes:
         watch = CollapseWarning()
         warnings = {
-            cell: first_warnings(read_cell(cell.folder(args.out)), watch) for cell in outcomes
+            cell: first_warnings(read_series(cell.folder(args.out)), watch) for cell in outcomes
         }
         text += "\n\n" + warning_table(outcomes, warnings, watch)
     (args.out / "map.md").write_text(text + "\n")
