@@ -10,7 +10,11 @@ actor: one per warm-start seed W (``OUT/warm<W>/``, the recipe's ``SupervisedWar
 with ``--seed_everything W``), whose own validation reward is measured once by ``brace-lightning
 validate`` (``OUT/warm<W>/validate``). Cells run with the resume markers of
 :func:`benchmarks.lm_staleness.run_marked` under ``OUT/cells/<config>/<target>/lag<S>/lr<lr>/
-warm<W>/seed<N>/``.
+warm<W>/seed<N>/``. Each finished run also leaves a **record** under ``--records`` (default
+``OUT/records``; docs/stability.md's maps keep theirs in ``docs/figures/lm_map/records/``, in
+git): its :data:`RECORDED_TAGS` series as JSON, and ``warm<W>.json`` the warm start's
+validation reward. The map reads a run from its folder where it ran under ``OUT``, else from its
+record, and does not run a recorded cell again: a map outlives the machine its runs were on.
 
 The outcomes are fixed before any cell runs (pre-registered in ``docs/stability.md``, 2026-12-06):
 
@@ -60,7 +64,7 @@ from benchmarks.lm_staleness import (
 )
 from brace_lightning import statistics
 from brace_lightning.callbacks import COLLAPSE_SIGNALS, CollapseWarning, warning_positions
-from brace_lightning.sweep import paired_difference
+from brace_lightning.sweep import paired_difference, write_marker
 
 LAGS = (0, 4, 8, 16)
 LRS = (2.5e-5, 5e-5, 1e-4, 2e-4)
@@ -96,6 +100,15 @@ OVERRIDES: dict[str, tuple[str, ...]] = {
     "stable_budget_4e-4": (f"--model.actor_step_size.init_args.lr_budget={HALF_BUDGET}",),
 }
 COLLAPSE_WINDOW, COLLAPSE_COUNT, VAL_WINDOW = 40, 20, 2
+#: The logged series a run's record keeps (:func:`write_record`): what the outcomes read, the
+#: collapse warning's signals and the diagnostics of docs/stability.md's runs tables.
+RECORDED_TAGS = (
+    "rollout/reward",
+    "val/reward",
+    *(signal.key for signal in COLLAPSE_SIGNALS.values()),
+    "lr/actor_scale",
+    "actor/skipped_equal_reward",
+)
 #: A finished run's scalar series, read from its event file once per process: the outcomes and the
 #: warning replay read the same runs, and a configuration's SAME_RUNS cells are another's runs.
 read_series = functools.cache(read_cell)
@@ -217,12 +230,70 @@ def prepare_warm_start(out: Path, warm: int, recipe: Path, extra: Sequence[str])
     return run_marked(folder / "validate", cli_command(args), {"warm": warm})
 
 
-def warm_validation(out: Path, warm: int) -> float:
-    """The warm start's validation reward (NaN before :func:`prepare_warm_start` finished)."""
+def record_file(records: Path, cell: MapCell) -> Path:
+    """Where the record of ``cell``'s run lives: one JSON per run (that of
+    :meth:`MapCell.same_run`), in a folder meant to be committed with the results."""
+    return records / f"{cell.same_run()}.json"
+
+
+def write_record(records: Path, cell: MapCell, out: Path) -> None:
+    """Keep what the map reads of ``cell``'s finished run: its :data:`RECORDED_TAGS` series and
+    its seconds, so the map outlives the machine the run's event files are on."""
+    folder = cell.folder(out)
+    series = read_series(folder)
+    seconds = json.loads((folder / "done.json").read_text()).get("seconds")
+    payload = {
+        "cell": dataclasses.asdict(cell.same_run()),
+        "seconds": seconds,
+        "series": {tag: series[tag] for tag in RECORDED_TAGS if tag in series},
+    }
+    write_marker(record_file(records, cell), payload)
+
+
+@functools.cache
+def _load_record(path: Path) -> dict[str, list[tuple[int, float]]]:
+    series = json.loads(path.read_text())["series"]
+    return {
+        tag: [(int(step), float(value)) for step, value in points] for tag, points in series.items()
+    }
+
+
+def run_series(
+    cell: MapCell, out: Path, records: Path
+) -> dict[str, list[tuple[int, float]]] | None:
+    """The logged series of ``cell``'s finished run: from its run folder where it ran under
+    ``out`` (recording it first if ``records`` has no record of it; a record that disagrees with
+    the run is reported and the run is read), else from its record; None when it has neither."""
+    path = record_file(records, cell)
+    if (cell.folder(out) / "done.json").exists():
+        if not path.exists():
+            write_record(records, cell, out)
+        series = read_series(cell.folder(out))
+        kept = {tag: series[tag] for tag in RECORDED_TAGS if tag in series}
+        if kept != _load_record(path):
+            print(f"{cell}: the run in {out} differs from its record {path}; the run is read")
+        return series
+    return _load_record(path) if path.exists() else None
+
+
+def recorded_elsewhere(cell: MapCell, out: Path, records: Path) -> bool:
+    """Whether ``cell``'s run has a record but did not run under ``out`` (it is not run again)."""
+    return record_file(records, cell).exists() and not (cell.folder(out) / "done.json").exists()
+
+
+def warm_validation(out: Path, warm: int, records: Path | None = None) -> float:
+    """The warm start's validation reward: from its ``validate`` run under ``out`` (kept in
+    ``records/warm<W>.json`` too), else from that record; NaN when it has neither."""
     folder = warm_folder(out, warm) / "validate"
-    if not (folder / "done.json").exists():
-        return math.nan
-    return window_mean(read_cell(folder)["val/reward"], 1)
+    record = None if records is None else records / f"warm{warm}.json"
+    if (folder / "done.json").exists():
+        value = window_mean(read_cell(folder)["val/reward"], 1)
+        if record is not None and not record.exists():
+            write_marker(record, {"warm": warm, "val/reward": value})
+        return value
+    if record is not None and record.exists():
+        return float(json.loads(record.read_text())["val/reward"])
+    return math.nan
 
 
 def collapsed(
@@ -260,18 +331,20 @@ class Outcome:
 def read_outcomes(
     cells: Sequence[MapCell],
     out: Path,
+    records: Path,
     *,
     collapse_window: int,
     collapse_count: int,
     val_window: int,
 ) -> tuple[dict[MapCell, Outcome], list[MapCell]]:
-    """The outcome of every finished cell, and the cells without a marker (missing)."""
+    """The outcome of every finished cell (run under ``out`` or recorded in ``records``,
+    :func:`run_series`), and the cells with neither (missing)."""
     outcomes, missing = {}, []
     for cell in cells:
-        if not (cell.folder(out) / "done.json").exists():
+        series = run_series(cell, out, records)
+        if series is None:
             missing.append(cell)
             continue
-        series = read_series(cell.folder(out))
         survived = not collapsed(
             series["rollout/reward"], window=collapse_window, count=collapse_count
         )
@@ -465,6 +538,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--val-window", type=int, default=VAL_WINDOW)
     parser.add_argument("--workers", type=int, default=1, help="cells run at the same time")
     parser.add_argument("--config", type=Path, default=RECIPE, help="the recipe")
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="where each finished run's record goes and is read from: a run recorded there is "
+        "not run again (default: OUT/records; the docs' maps use docs/figures/lm_map/records)",
+    )
     parser.add_argument("--aggregate-only", action="store_true", help="run no cell")
     parser.add_argument("extra", nargs="*", help="more CLI overrides for every run, after --")
     args = parser.parse_args(argv)
@@ -479,8 +559,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--workers must be >= 1; got {args.workers}.")
     cells = map_grid(args.configs, args.targets, args.lags, args.lrs, args.warm_seeds, args.seeds)
     args.out.mkdir(parents=True, exist_ok=True)
+    records = args.records if args.records is not None else args.out / "records"
     if not args.aggregate_only:
-        for warm in args.warm_seeds:
+        runs = list(dict.fromkeys(cell.same_run() for cell in cells))  # each run once
+        for cell in runs:
+            if recorded_elsewhere(cell, args.out, records):
+                print(f"{cell}: recorded", flush=True)
+        runs = [cell for cell in runs if not recorded_elsewhere(cell, args.out, records)]
+        for warm in dict.fromkeys(cell.warm for cell in runs):  # only those a run starts from
             status = prepare_warm_start(args.out, warm, args.config, args.extra)
             print(f"warm start {warm}: validation {status}", flush=True)
         run = functools.partial(
@@ -490,22 +576,25 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         def one(cell: MapCell) -> None:
             status = run_marked(cell.folder(args.out), run(cell), {"cell": cell.__dict__})
+            if status == "done":
+                write_record(records, cell, args.out)
             print(f"{cell}: {status}", flush=True)
 
-        runs = list(dict.fromkeys(cell.same_run() for cell in cells))  # each run once
         with ThreadPoolExecutor(args.workers) as pool:
             list(pool.map(one, runs))
     outcomes, missing = read_outcomes(
-        cells, args.out, collapse_window=args.collapse_window,
+        cells, args.out, records, collapse_window=args.collapse_window,
         collapse_count=args.collapse_count, val_window=args.val_window,
     )  # fmt: skip
-    warm_rewards = {warm: warm_validation(args.out, warm) for warm in args.warm_seeds}
+    warm_rewards = {warm: warm_validation(args.out, warm, records) for warm in args.warm_seeds}
     text = map_tables(outcomes, warm_rewards)
     if outcomes:
         watch = CollapseWarning()
-        warnings = {
-            cell: first_warnings(read_series(cell.folder(args.out)), watch) for cell in outcomes
-        }
+        warnings: dict[MapCell, dict[str, int | None]] = {}
+        for cell in outcomes:
+            series = run_series(cell, args.out, records)
+            assert series is not None  # an outcome is read from its series
+            warnings[cell] = first_warnings(series, watch)
         text += "\n\n" + warning_table(outcomes, warnings, watch)
     (args.out / "map.md").write_text(text + "\n")
     (args.out / "outcomes.json").write_text(

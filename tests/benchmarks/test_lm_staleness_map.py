@@ -148,6 +148,23 @@ def test_a_two_cell_map_runs_resumes_and_writes_its_table_and_figure(
     printed = capsys.readouterr().out
     assert "warm start 0: validation skipped" in printed
     assert all(f"{cell}: skipped" in printed for cell in cells)
+    # Each finished run left a record (OUT/records by default) with the series the map reads.
+    records = out / "records"
+    for cell in cells:
+        record = json.loads(lm_map.record_file(records, cell).read_text())
+        assert record["cell"] == cell.__dict__
+        assert set(record["series"]) >= {"rollout/reward", "val/reward", "kl/mu_pi_k3"}
+    assert (records / "warm0.json").exists()
+    # On a machine without the runs' folders the records are the map: nothing runs (no warm
+    # start either), and the table is the same.
+    moved = tmp_path / "records"
+    records.rename(moved)
+    lm_map.main([*argv[:1], str(tmp_path / "elsewhere"), *argv[2:], "--records", str(moved)])
+    printed = capsys.readouterr().out
+    assert all(f"{cell}: recorded" in printed for cell in cells)
+    assert "warm start" not in printed
+    assert (tmp_path / "elsewhere" / "map.md").read_text() == table
+    assert not (tmp_path / "elsewhere" / "cells").exists()
 
 
 def test_stable_budget_cells_within_its_budget_are_stable_rhos_runs(tmp_path: Path):
@@ -213,3 +230,35 @@ def test_the_warning_table_replays_the_default_collapse_warning_on_each_run():
     text = lm_map.warning_table(outcomes, warnings, watch)
     assert "| recipe | 1 | 2 | 1/1, median step 12; survivors 1/2 | 0/1; survivors 0/2 |" in text
     assert "kl/mu_pi_k3 > 0.02" in text and "patience 3" in text
+
+
+def test_a_run_that_differs_from_its_record_is_reported_and_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+):
+    """The record keeps RECORDED_TAGS only; a run under OUT that disagrees with its record (a
+    rerun that did not reproduce) is named, and its own series is what the map reads."""
+    cell = MapCell("recipe", "gae", 8, 2e-4, 0, 0)
+    out, records = tmp_path / "out", tmp_path / "records"
+    folder = cell.folder(out)
+    folder.mkdir(parents=True)
+    (folder / "done.json").write_text(json.dumps({"seconds": 12.5}))
+    series = {
+        "rollout/reward": [(1, 0.5), (2, 0.25)],
+        "val/reward": [(2, 0.5)],
+        "other": [(1, 1.0)],
+    }
+    monkeypatch.setattr(lm_map, "read_series", lambda path: series)
+    assert lm_map.run_series(cell, out, records) == series
+    record = json.loads(lm_map.record_file(records, cell).read_text())
+    assert record["seconds"] == 12.5 and set(record["series"]) == {"rollout/reward", "val/reward"}
+    assert "differs" not in capsys.readouterr().out
+    series = {**series, "rollout/reward": [(1, 0.5), (2, 0.0)]}
+    lm_map._load_record.cache_clear()
+    assert lm_map.run_series(cell, out, records) == series
+    assert f"{cell}: the run in {out} differs from its record" in capsys.readouterr().out
+    (folder / "done.json").unlink()
+    assert lm_map.run_series(cell, out, records) == {
+        "rollout/reward": [(1, 0.5), (2, 0.25)],
+        "val/reward": [(2, 0.5)],
+    }
+    assert lm_map.run_series(MapCell("recipe", "gae", 4, 2e-4, 0, 0), out, records) is None
