@@ -30,6 +30,14 @@ identical stream, so the variants differ in their targets only.
    tokens, seconds) and ``OUT/summary.md``: the primary outcome, the secondary tables and the drift
    table.
 
+**Records.** Each finished critic file, the run's ``drift.json`` and the digest of its recorded
+stream (:func:`brace_lightning.shadow.stream_sha256`) are kept under ``--records`` (default
+``OUT/records``; docs/results_lm.md keeps its in ``docs/figures/lm_shadow/records/``, in git) as
+``<records>/warm<W>/seed<N>/``. The aggregate reads the records; a critic kept there is restored
+instead of trained, a run whose every critic is kept is not recorded again, and a run recorded
+again must give the same stream (same digest) before its kept critics are used: the experiment
+goes on across machines whose run folders do not survive, and never pools critics of two streams.
+
 PRIMARY OUTCOME, pre-registered by the lead on 2026-12-06 (the text of :data:`PRIMARY_TEXT`):
 "mean per-token squared error (V − G)² of the critic on π_v's on-policy batch over versions
 101–200, per (variant, budget); each variant against gae at the same budget, paired by recorded
@@ -76,7 +84,14 @@ from brace_lightning.models.sources import load_tokenizer
 from brace_lightning.objectives import CriticLoss
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scorer, shift_values
-from brace_lightning.shadow import load_meta, load_version, state_sha256, to_batch, version_files
+from brace_lightning.shadow import (
+    load_meta,
+    load_version,
+    state_sha256,
+    stream_sha256,
+    to_batch,
+    version_files,
+)
 from brace_lightning.sweep import holm_rows, interval, paired_difference
 from brace_lightning.targets import BRACE, GAE, ValueTarget, VTrace
 
@@ -338,36 +353,101 @@ def train_one(cell_folder: Path, variant: str, budget: int) -> float:
     return time.monotonic() - start
 
 
+def keep(path: Path, kept: Path) -> None:
+    """Copy a finished file to its record (once); a record that differs is reported, not
+    overwritten (the record is what was reported)."""
+    if not kept.exists():
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        partial = kept.with_suffix(".partial")
+        shutil.copyfile(path, partial)
+        partial.replace(kept)
+    elif kept.read_bytes() != path.read_bytes():
+        print(f"{path} differs from its record {kept}; the record is kept", flush=True)
+
+
+def check_stream(folder: Path, kept: Path) -> None:
+    """Keep the digest of ``folder``'s recorded stream (:func:`brace_lightning.shadow.
+    stream_sha256`) in its record folder ``kept``; a record of another stream stops here, so
+    critics trained on two different streams are never pooled.
+
+    Raises:
+        SystemExit: when ``kept/stream.json`` holds another digest.
+    """
+    digest = stream_sha256(folder / "stream")
+    path = kept / "stream.json"
+    if path.exists():
+        recorded = json.loads(path.read_text())["sha256"]
+        if recorded != digest:
+            raise SystemExit(
+                f"the stream recorded in {folder} (sha256 {digest[:12]}) is not the one the "
+                f"records in {kept} were trained on ({recorded[:12]}); use another --records."
+            )
+    else:
+        kept.mkdir(parents=True, exist_ok=True)
+        _write_json(path, {"sha256": digest})
+
+
 def train_runs(
-    runs: dict[str, Path], variants: Sequence[str], budgets: Sequence[int], *, workers: int
+    runs: dict[str, Path],
+    variants: Sequence[str],
+    budgets: Sequence[int],
+    *,
+    workers: int,
+    records: Path,
 ) -> None:
     """Every missing (variant, budget) of every recorded run in ``runs`` (name -> cell folder),
-    in ``workers`` processes, and each run's drift statistics; prints one line per pair."""
+    in ``workers`` processes, and each run's drift statistics; prints one line per pair. Each
+    finished file is kept under ``records/<name>/critics/``; a pair already kept there (for the
+    same stream, :func:`check_stream`) is restored from it instead of trained."""
     jobs = []
     for name, folder in runs.items():
+        kept = records / name
+        check_stream(folder, kept)
         (folder / "critics").mkdir(parents=True, exist_ok=True)
-        if not (folder / "critics" / "drift.json").exists():
-            _write_json(folder / "critics" / "drift.json", drift_statistics(folder / "stream"))
+        drift = folder / "critics" / "drift.json"
+        if not drift.exists():
+            _write_json(drift, drift_statistics(folder / "stream"))
+        keep(drift, kept / "critics" / "drift.json")
         for variant in variants:
             for budget in budgets:
-                if critic_file(folder, variant, budget).exists():
+                local, record = (
+                    critic_file(folder, variant, budget),
+                    critic_file(kept, variant, budget),
+                )
+                if local.exists():
+                    keep(local, record)
                     print(f"train {name} {variant} budget {budget}: skipped", flush=True)
+                elif record.exists():
+                    shutil.copyfile(record, local)
+                    print(
+                        f"train {name} {variant} budget {budget}: restored from {record}",
+                        flush=True,
+                    )
                 else:
                     jobs.append((name, folder, variant, budget))
+
+    def finished(name: str, folder: Path, variant: str, budget: int, seconds: float) -> None:
+        keep(critic_file(folder, variant, budget), critic_file(records / name, variant, budget))
+        print(f"train {name} {variant} budget {budget}: done in {seconds:.0f} s", flush=True)
+
     if workers == 1:
-        results = (train_one(folder, variant, budget) for _, folder, variant, budget in jobs)
-        for (name, _, variant, budget), seconds in zip(jobs, results, strict=True):
-            print(f"train {name} {variant} budget {budget}: done in {seconds:.0f} s", flush=True)
+        for name, folder, variant, budget in jobs:
+            finished(name, folder, variant, budget, train_one(folder, variant, budget))
         return
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         workers, mp_context=context, initializer=exit_with_parent, initargs=(os.getpid(),)
     ) as pool:
-        futures = {pool.submit(train_one, f, v, b): (n, v, b) for n, f, v, b in jobs}
+        futures = {pool.submit(train_one, f, v, b): (n, f, v, b) for n, f, v, b in jobs}
         for future in as_completed(futures):
-            name, variant, budget = futures[future]
-            seconds = future.result()
-            print(f"train {name} {variant} budget {budget}: done in {seconds:.0f} s", flush=True)
+            finished(*futures[future], future.result())
+
+
+def complete(kept: Path, variants: Sequence[str], budgets: Sequence[int]) -> bool:
+    """Whether the record folder ``kept`` holds every (variant, budget) and the drift: its run
+    need not be recorded again."""
+    files = [critic_file(kept, v, b) for v in variants for b in budgets]
+    return all(path.exists() for path in [*files, kept / "critics" / "drift.json"])
 
 
 def _write_json(path: Path, payload: Any) -> None:
@@ -597,6 +677,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         default=1,
         help="critic-training processes (one torch thread each)",
     )
+    parser.add_argument(
+        "--records",
+        type=Path,
+        default=None,
+        help="where each finished critic file (and each run's stream digest and drift) is kept and "
+        "restored from, per run (default: OUT/records; docs/results_lm.md keeps its in "
+        "docs/figures/lm_shadow/records)",
+    )
     parser.add_argument("--only", choices=["record", "train", "aggregate"], default=None)
     parser.add_argument("--config", type=Path, default=RECIPE, help="the recipe")
     parser.add_argument("extra", nargs="*", help="more CLI overrides for every fit, after --")
@@ -608,11 +696,17 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error(f"--primary-versions must be 1 < FIRST <= LAST; got {first} {last}.")
     cells = [record_cell(w, s) for w in args.warm_seeds for s in args.seeds]
     args.out.mkdir(parents=True, exist_ok=True)
+    records = args.records if args.records is not None else args.out / "records"
+    names = {cell: f"warm{cell.warm}/seed{cell.seed}" for cell in cells}
     if args.only in (None, "record"):
-        for warm in args.warm_seeds:
+        todo = [c for c in cells if not complete(records / names[c], args.variants, args.budgets)]
+        for cell in cells:
+            if cell not in todo:
+                print(f"record {cell}: every critic is in {records / names[cell]}", flush=True)
+        for warm in dict.fromkeys(cell.warm for cell in todo):
             status = prepare_warm_start(args.out, warm, args.config, args.extra)
             print(f"warm start {warm}: validation {status}", flush=True)
-        for cell in cells:
+        for cell in todo:
             start = time.monotonic()
             status = record(
                 cell, args.out, steps=args.steps, every=args.every, recipe=args.config,
@@ -620,17 +714,18 @@ def main(argv: Sequence[str] | None = None) -> None:
             )  # fmt: skip
             print(f"record {cell}: {status} in {time.monotonic() - start:.0f} s", flush=True)
     recorded = {
-        f"warm{c.warm}/seed{c.seed}": c.folder(args.out)
-        for c in cells
-        if (c.folder(args.out) / "done.json").exists()
+        names[c]: c.folder(args.out) for c in cells if (c.folder(args.out) / "done.json").exists()
     }
     if args.only in (None, "train"):
-        train_runs(recorded, args.variants, args.budgets, workers=args.workers)
-    text = aggregate(recorded, args.out, args.budgets, (first, last))
+        train_runs(recorded, args.variants, args.budgets, workers=args.workers, records=records)
+    kept = {
+        names[c]: records / names[c] for c in cells if (records / names[c] / "critics").exists()
+    }
+    text = aggregate(kept, args.out, args.budgets, (first, last))
     print(text)
-    missing = [str(c) for c in cells if f"warm{c.warm}/seed{c.seed}" not in recorded]
+    missing = [str(c) for c in cells if names[c] not in recorded and names[c] not in kept]
     if missing:
-        print(f"runs not recorded ({len(missing)}): " + ", ".join(missing))
+        print(f"runs neither recorded nor in the records ({len(missing)}): " + ", ".join(missing))
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ __all__ = [
     "load_meta",
     "load_version",
     "state_sha256",
+    "stream_sha256",
     "to_batch",
     "version_files",
 ]
@@ -85,6 +86,29 @@ def state_sha256(model: nn.Module) -> str:
         digest.update(name.encode())
         digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()
+
+
+def stream_sha256(folder: str | Path) -> str:
+    """SHA-256 over a recording's batches: every ``v*.pt`` of ``folder`` in rollout-step order,
+    its keys, numbers and tensors (dtype, shape, raw bytes). Two recordings with the same digest
+    train every offline critic alike; ``meta.json``, which names local paths, is not in it."""
+    digest = hashlib.sha256()
+    for path in version_files(folder):
+        _update_digest(digest, load_version(path))
+    return digest.hexdigest()
+
+
+def _update_digest(digest: Any, value: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        tensor = value.detach().cpu().contiguous()
+        digest.update(f"{tensor.dtype}{tuple(tensor.shape)}".encode())
+        digest.update(tensor.view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, dict):
+        for key in sorted(value):
+            digest.update(str(key).encode())
+            _update_digest(digest, value[key])
+    else:
+        digest.update(repr(value).encode())
 
 
 def version_files(folder: str | Path) -> list[Path]:

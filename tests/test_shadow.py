@@ -22,7 +22,13 @@ from brace_lightning.module import BraceModule
 from brace_lightning.objectives import CriticLoss
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.scorer import Scorer
-from brace_lightning.shadow import ShadowRecorder, load_meta, load_version, version_files
+from brace_lightning.shadow import (
+    ShadowRecorder,
+    load_meta,
+    load_version,
+    stream_sha256,
+    version_files,
+)
 from tests.benchmarks.test_lm_staleness import fake_warm_start, tiny_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -387,11 +393,52 @@ def test_the_commands_record_train_aggregate_and_resume(tmp_path, capsys):
     assert "fewer than 2 paired runs" in summary and "Not the pre-registered window" in summary
     shadow_critics.main(argv)
     printed = capsys.readouterr().out
-    assert f"record {cell}: skipped" in printed and "budget 1: skipped" in printed
+    assert f"record {cell}: every critic is in" in printed and "budget 1: skipped" in printed
     assert "budget 1: done" not in printed
     shadow_critics.main([*argv, "--only", "aggregate"])
     printed = capsys.readouterr().out
     assert "train " not in printed and "record " not in printed and "### Primary outcome" in printed
+    # Every finished file is kept under OUT/records/<run>/ with the stream's digest: on a machine
+    # without the recording nothing is recorded or trained again, and the scores are the same.
+    kept = out / "records" / "warm0" / "seed0"
+    stream = version_files(cell.folder(out) / "stream")
+    digest = json.loads((kept / "stream.json").read_text())["sha256"]
+    assert digest == stream_sha256(cell.folder(out) / "stream")
+    for name in ("gae_b1.json", "brace_k100_b1.json", "drift.json"):
+        assert (kept / "critics" / name).read_bytes() == (
+            cell.folder(out) / "critics" / name
+        ).read_bytes()
+    elsewhere = tmp_path / "elsewhere"
+    shadow_critics.main(["--out", str(elsewhere), *argv[2:], "--records", str(out / "records")])
+    printed = capsys.readouterr().out
+    assert f"record {cell}: every critic is in" in printed and "train " not in printed
+    assert not (elsewhere / "warm0").exists()
+    assert json.loads((elsewhere / "scores.json").read_text()) == scores
+    # A record of another stream is refused: critics of two streams are never pooled.
+    (kept / "critics" / "gae_b1.json").unlink()
+    (kept / "stream.json").write_text(json.dumps({"sha256": "0" * 64}))
+    with pytest.raises(SystemExit, match="is not the one the records in .* were trained on"):
+        shadow_critics.main([*argv, "--only", "train"])
+    assert len(stream) == 2
+
+
+def test_the_stream_digest_follows_the_recorded_tensors(tmp_path):
+    """stream_sha256: equal for a byte-for-byte copy in another folder, different when one
+    value of one tensor changes."""
+    import torch
+
+    first, second = tmp_path / "a", tmp_path / "b"
+    for folder in (first, second):
+        folder.mkdir()
+        for step in (1, 2):
+            saved = {"rollout_step": step, "train": {"rewards": torch.tensor([0.0, 1.0])}}
+            torch.save(saved, folder / f"v{step:05d}.pt")
+    (second / "meta.json").write_text("{}")  # not in the digest
+    assert stream_sha256(first) == stream_sha256(second)
+    torch.save(
+        {"rollout_step": 2, "train": {"rewards": torch.tensor([0.0, 0.5])}}, second / "v00002.pt"
+    )
+    assert stream_sha256(first) != stream_sha256(second)
 
 
 @pytest.mark.parametrize(
