@@ -52,7 +52,7 @@ the interval of each comparison is the paired Student-t interval at its Holm ste
 The whole experiment (about 45–55 CPU hours for 6 runs on a busy 2-core machine, by the pilot
 in ``docs/results_lm.md``; ``--workers N`` trains N critics at a time)::
 
-    .venv/bin/python -m benchmarks.lm_shadow_critics --out runs/lm_shadow --warm-seeds 0 1 --seeds 0 1 2
+    .venv/bin/python -m benchmarks.lm_shadow_critics --out runs/lm_shadow --records docs/figures/lm_shadow/records --warm-seeds 0 1 --seeds 0 1 2
 """
 
 from __future__ import annotations
