@@ -33,7 +33,8 @@ identical stream, so the variants differ in their targets only.
 **Records.** Each finished critic file, the run's ``drift.json`` and the digest of its recorded
 stream (:func:`brace_lightning.shadow.stream_sha256`) are kept under ``--records`` (default
 ``OUT/records``; docs/results_lm.md keeps its in ``docs/figures/lm_shadow/records/``, in git) as
-``<records>/warm<W>/seed<N>/``. The aggregate reads the records; a critic kept there is restored
+``<records>/warm<W>/seed<N>/``, and the warm starts as the map keeps them (``<records>/warm<W>/
+actor``, :func:`benchmarks.lm_staleness_map.prepare_warm_start`). The aggregate reads the records; a critic kept there is restored
 instead of trained, a run whose every critic is kept is not recorded again, and a run recorded
 again must give the same stream (same digest) before its kept critics are used: the experiment
 goes on across machines whose run folders do not survive, and never pools critics of two streams.
@@ -704,7 +705,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             if cell not in todo:
                 print(f"record {cell}: every critic is in {records / names[cell]}", flush=True)
         for warm in dict.fromkeys(cell.warm for cell in todo):
-            status = prepare_warm_start(args.out, warm, args.config, args.extra)
+            status = prepare_warm_start(args.out, warm, args.config, args.extra, records)
             print(f"warm start {warm}: validation {status}", flush=True)
         for cell in todo:
             start = time.monotonic()

@@ -12,9 +12,12 @@ validate`` (``OUT/warm<W>/validate``). Cells run with the resume markers of
 :func:`benchmarks.lm_staleness.run_marked` under ``OUT/cells/<config>/<target>/lag<S>/lr<lr>/
 warm<W>/seed<N>/``. Each finished run also leaves a **record** under ``--records`` (default
 ``OUT/records``; docs/stability.md's maps keep theirs in ``docs/figures/lm_map/records/``, in
-git): its :data:`RECORDED_TAGS` series as JSON, and ``warm<W>.json`` the warm start's
-validation reward. The map reads a run from its folder where it ran under ``OUT``, else from its
-record, and does not run a recorded cell again: a map outlives the machine its runs were on.
+git): its :data:`RECORDED_TAGS` series as JSON with the machine it ran on and its warm start's
+SHA-256; ``warm<W>.json`` the warm start's validation reward, and ``warm<W>/actor`` the
+warm-started actor itself (about 2 MB), which a later machine copies in instead of training its
+own (another CPU does not rebuild the same actor from the same seed). The map reads a run from its
+folder where it ran under ``OUT``, else from its record, and does not run a recorded cell again: a
+map outlives the machine its runs were on.
 
 The outcomes are fixed before any cell runs (pre-registered in ``docs/stability.md``, 2026-12-06):
 
@@ -42,8 +45,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import hashlib
 import json
 import math
+import os
+import platform
+import shutil
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -209,11 +216,56 @@ def map_command(
     return cli_command(args)
 
 
-def prepare_warm_start(out: Path, warm: int, recipe: Path, extra: Sequence[str]) -> str:
+def warm_sha256(out: Path, warm: int) -> str | None:
+    """SHA-256 of warm start ``warm``'s actor weights under ``out`` (None before it exists)."""
+    path = warm_folder(out, warm) / "warm_start" / "actor" / "model.safetensors"
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+
+
+def machine() -> str:
+    """The CPU model and core count of this machine (what a run's numbers depend on besides its
+    seeds: kernels differ between CPUs, so runs are bit for bit the same only on the same one)."""
+    models = [
+        line.split(":", 1)[1].strip()
+        for line in Path("/proc/cpuinfo").read_text().splitlines()
+        if line.startswith("model name")
+    ] if Path("/proc/cpuinfo").exists() else []  # fmt: skip
+    return f"{models[0] if models else platform.machine()}, {os.cpu_count()} cores"
+
+
+def prepare_warm_start(
+    out: Path, warm: int, recipe: Path, extra: Sequence[str], records: Path | None = None
+) -> str:
     """Warm start ``warm`` (once) and its validation reward (once, ``brace-lightning validate``
-    of the warm-started actor on the recipe's validation prompts); the validate run's status."""
+    of the warm-started actor on the recipe's validation prompts); the validate run's status.
+
+    With ``records``, the warm start is pinned there (``records/warm<W>/actor``, the exported
+    Hugging Face folder): a recorded one is copied in instead of trained, since another CPU does
+    not rebuild the same actor from the same seed; one trained here is recorded.
+
+    Raises:
+        SystemExit: when ``out`` already holds a different warm start ``warm`` than ``records``.
+    """
     folder = warm_folder(out, warm)
+    actor = folder / "warm_start" / "actor"
+    kept = None if records is None else records / f"warm{warm}" / "actor"
+    if kept is not None and (kept / "config.json").exists():
+        if not (actor / "config.json").exists():
+            shutil.rmtree(actor, ignore_errors=True)
+            shutil.copytree(kept, actor)
+        elif (actor / "model.safetensors").read_bytes() != (
+            kept / "model.safetensors"
+        ).read_bytes():
+            raise SystemExit(
+                f"warm start {warm} in {folder} is not the one recorded in {kept}; use a new "
+                "--out (the recorded one is then used) or another --records."
+            )
     warm_start(folder, recipe, [f"--seed_everything={warm}", *extra])
+    if kept is not None and not (kept / "config.json").exists():
+        partial = kept.with_name("actor.partial")
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(actor, partial)
+        partial.replace(kept)
     args = [
         "validate",
         "--config",
@@ -245,6 +297,8 @@ def write_record(records: Path, cell: MapCell, out: Path) -> None:
     payload = {
         "cell": dataclasses.asdict(cell.same_run()),
         "seconds": seconds,
+        "machine": machine(),
+        "warm_sha256": warm_sha256(out, cell.warm),
         "series": {tag: series[tag] for tag in RECORDED_TAGS if tag in series},
     }
     write_marker(record_file(records, cell), payload)
@@ -289,7 +343,8 @@ def warm_validation(out: Path, warm: int, records: Path | None = None) -> float:
     if (folder / "done.json").exists():
         value = window_mean(read_cell(folder)["val/reward"], 1)
         if record is not None and not record.exists():
-            write_marker(record, {"warm": warm, "val/reward": value})
+            payload = {"warm": warm, "val/reward": value, "sha256": warm_sha256(out, warm)}
+            write_marker(record, {**payload, "machine": machine()})
         return value
     if record is not None and record.exists():
         return float(json.loads(record.read_text())["val/reward"])
@@ -567,7 +622,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 print(f"{cell}: recorded", flush=True)
         runs = [cell for cell in runs if not recorded_elsewhere(cell, args.out, records)]
         for warm in dict.fromkeys(cell.warm for cell in runs):  # only those a run starts from
-            status = prepare_warm_start(args.out, warm, args.config, args.extra)
+            status = prepare_warm_start(args.out, warm, args.config, args.extra, records)
             print(f"warm start {warm}: validation {status}", flush=True)
         run = functools.partial(
             map_command, out=args.out, steps=args.steps, every=args.every, recipe=args.config,

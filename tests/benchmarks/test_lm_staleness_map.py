@@ -3,11 +3,13 @@ exact test and a 2-cell smoke run (the map itself needs ~20 CPU hours and is not
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import yaml
 
 from benchmarks import lm_staleness_map as lm_map
@@ -262,3 +264,35 @@ def test_a_run_that_differs_from_its_record_is_reported_and_read(
         "val/reward": [(2, 0.5)],
     }
     assert lm_map.run_series(MapCell("recipe", "gae", 4, 2e-4, 0, 0), out, records) is None
+
+
+def test_a_recorded_warm_start_is_used_instead_of_training_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """Another CPU does not rebuild the same warm-started actor from the same seed, so the
+    records pin it: one trained here is recorded, a recorded one is copied in (not trained), and
+    an out folder holding a different one is refused in one sentence."""
+    trained: list[Path] = []
+    monkeypatch.setattr(lm_map, "warm_start", lambda folder, recipe, extra: trained.append(folder))
+    monkeypatch.setattr(lm_map, "run_marked", lambda folder, args, record: "done")
+    records = tmp_path / "records"
+    here = tmp_path / "here"
+    fake_warm_start(lm_map.warm_folder(here, 0))
+    lm_map.prepare_warm_start(here, 0, Path("recipe.yaml"), [], records)
+    weights = "actor/model.safetensors"
+    kept = records / "warm0" / weights
+    assert kept.read_bytes() == (lm_map.warm_folder(here, 0) / "warm_start" / weights).read_bytes()
+    assert lm_map.warm_sha256(here, 0) == hashlib.sha256(kept.read_bytes()).hexdigest()
+    elsewhere = tmp_path / "elsewhere"
+    lm_map.prepare_warm_start(elsewhere, 0, Path("recipe.yaml"), [], records)
+    assert lm_map.warm_sha256(elsewhere, 0) == lm_map.warm_sha256(here, 0)
+    other = tmp_path / "other"
+    fake_warm_start(lm_map.warm_folder(other, 0))
+    path = lm_map.warm_folder(other, 0) / "warm_start" / weights
+    tensors = safetensors.torch.load_file(path)
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name] + 1.0  # other weights
+    safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(SystemExit, match="warm start 0 in .* is not the one recorded in"):
+        lm_map.prepare_warm_start(other, 0, Path("recipe.yaml"), [], records)
+    assert len(trained) == 2  # warm_start itself skips an actor that is there
