@@ -233,23 +233,16 @@ def machine() -> str:
     return f"{models[0] if models else platform.machine()}, {os.cpu_count()} cores"
 
 
-def prepare_warm_start(
-    out: Path, warm: int, recipe: Path, extra: Sequence[str], records: Path | None = None
-) -> str:
-    """Warm start ``warm`` (once) and its validation reward (once, ``brace-lightning validate``
-    of the warm-started actor on the recipe's validation prompts); the validate run's status.
-
-    With ``records``, the warm start is pinned there (``records/warm<W>/actor``, the exported
-    Hugging Face folder): a recorded one is copied in instead of trained, since another CPU does
-    not rebuild the same actor from the same seed; one trained here is recorded.
+def pin_warm_start(out: Path, warm: int, records: Path) -> None:
+    """Pin warm start ``warm`` in ``records/warm<W>/actor`` (the exported Hugging Face folder):
+    copy a recorded one into ``out`` where ``out`` has none, or record the one ``out`` has.
 
     Raises:
-        SystemExit: when ``out`` already holds a different warm start ``warm`` than ``records``.
+        SystemExit: when ``out`` holds a different warm start ``warm`` than ``records``.
     """
     folder = warm_folder(out, warm)
-    actor = folder / "warm_start" / "actor"
-    kept = None if records is None else records / f"warm{warm}" / "actor"
-    if kept is not None and (kept / "config.json").exists():
+    actor, kept = folder / "warm_start" / "actor", records / f"warm{warm}" / "actor"
+    if (kept / "config.json").exists():
         if not (actor / "config.json").exists():
             shutil.rmtree(actor, ignore_errors=True)
             shutil.copytree(kept, actor)
@@ -260,12 +253,29 @@ def prepare_warm_start(
                 f"warm start {warm} in {folder} is not the one recorded in {kept}; use a new "
                 "--out (the recorded one is then used) or another --records."
             )
-    warm_start(folder, recipe, [f"--seed_everything={warm}", *extra])
-    if kept is not None and not (kept / "config.json").exists():
+    elif (actor / "config.json").exists():
         partial = kept.with_name("actor.partial")
         shutil.rmtree(partial, ignore_errors=True)
         shutil.copytree(actor, partial)
         partial.replace(kept)
+
+
+def prepare_warm_start(
+    out: Path, warm: int, recipe: Path, extra: Sequence[str], records: Path | None = None
+) -> str:
+    """Warm start ``warm`` (once) and its validation reward (once, ``brace-lightning validate``
+    of the warm-started actor on the recipe's validation prompts); the validate run's status.
+
+    With ``records``, the warm start is pinned there (:func:`pin_warm_start`): a recorded one is
+    copied in instead of trained, since another CPU does not rebuild the same actor from the same
+    seed, and one trained here is recorded.
+    """
+    folder = warm_folder(out, warm)
+    if records is not None:
+        pin_warm_start(out, warm, records)
+    warm_start(folder, recipe, [f"--seed_everything={warm}", *extra])
+    if records is not None:
+        pin_warm_start(out, warm, records)
     args = [
         "validate",
         "--config",
@@ -641,6 +651,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         cells, args.out, records, collapse_window=args.collapse_window,
         collapse_count=args.collapse_count, val_window=args.val_window,
     )  # fmt: skip
+    for warm in args.warm_seeds:
+        if warm_sha256(args.out, warm) is not None:  # a warm start here is recorded too
+            pin_warm_start(args.out, warm, records)
     warm_rewards = {warm: warm_validation(args.out, warm, records) for warm in args.warm_seeds}
     text = map_tables(outcomes, warm_rewards)
     if outcomes:
