@@ -461,6 +461,48 @@ def warning_table(
     )
 
 
+def _last(series: dict[str, list[tuple[int, float]]], tag: str, window: int) -> list[float]:
+    return [value for _, value in sorted(series.get(tag, []))][-window:]
+
+
+def runs_table(
+    outcomes: dict[MapCell, Outcome],
+    series: dict[MapCell, dict[str, list[tuple[int, float]]]],
+    warm_rewards: dict[int, float],
+    window: int = COLLAPSE_WINDOW,
+) -> str:
+    """Markdown, one row per run: its pre-registered outcomes (collapsed, final validation,
+    learned: above its warm start's validation, with the margin) and, post hoc, over its last
+    ``window`` rollout steps, the batches at reward 0, the mean k3 KL(µ‖π), the mean actor lr
+    factor (``lr/actor_scale``; 1 without a step-size rule) and the steps the equal-reward rule
+    took the actor's step from (over the whole run)."""
+    rows = []
+    for cell in sorted(outcomes, key=lambda c: (c.config, c.target, c.lag, c.lr, c.warm, c.seed)):
+        outcome, logged = outcomes[cell], series[cell]
+        margin = outcome.final_val - warm_rewards.get(cell.warm, math.nan)
+        learned = (
+            "n/a" if math.isnan(margin) else f"{'yes' if margin > 0 else 'no'} ({margin:+.3f})"
+        )
+        zeros = sum(value == 0.0 for value in _last(logged, "rollout/reward", window))
+        k3 = _last(logged, "kl/mu_pi_k3", window)
+        scale = _last(logged, "lr/actor_scale", window)
+        skipped = sum(value for _, value in logged.get("actor/skipped_equal_reward", []))
+        rows.append(
+            [cell.config, cell.target, cell.lag, f"{cell.lr:g}", cell.warm, cell.seed]
+            + ["no" if outcome.survived else "yes", f"{outcome.final_val:.3f}", learned, zeros]
+            + [f"{sum(k3) / len(k3):.3f}" if k3 else "-"]
+            + [f"{sum(scale) / len(scale):.2f}" if scale else "1"]
+            + [f"{skipped:g}"]
+        )
+    header = ["configuration", "target", "S", "actor lr", "warm", "seed", "collapsed"]
+    header += ["final val", "learned", f"zero batches, last {window}", f"k3 KL, last {window}"]
+    header += [f"lr factor, last {window}", "steps without an actor step"]
+    return (
+        f"**every run: its outcomes, then (post hoc) its last {window} steps**\n\n"
+        + markdown_table(header, rows)
+    )
+
+
 def _key(cell: MapCell) -> tuple[str, str, int, float]:
     return cell.config, cell.target, cell.lag, cell.lr
 
@@ -658,12 +700,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = map_tables(outcomes, warm_rewards)
     if outcomes:
         watch = CollapseWarning()
-        warnings: dict[MapCell, dict[str, int | None]] = {}
+        series: dict[MapCell, dict[str, list[tuple[int, float]]]] = {}
         for cell in outcomes:
-            series = run_series(cell, args.out, records)
-            assert series is not None  # an outcome is read from its series
-            warnings[cell] = first_warnings(series, watch)
+            logged = run_series(cell, args.out, records)
+            assert logged is not None  # an outcome is read from its series
+            series[cell] = logged
+        warnings = {cell: first_warnings(series[cell], watch) for cell in outcomes}
         text += "\n\n" + warning_table(outcomes, warnings, watch)
+        text += "\n\n" + runs_table(outcomes, series, warm_rewards)
     (args.out / "map.md").write_text(text + "\n")
     (args.out / "outcomes.json").write_text(
         json.dumps([{**c.__dict__, **o.__dict__} for c, o in outcomes.items()], indent=1)

@@ -296,3 +296,28 @@ def test_a_recorded_warm_start_is_used_instead_of_training_one(
     with pytest.raises(SystemExit, match="warm start 0 in .* is not the one recorded in"):
         lm_map.prepare_warm_start(other, 0, Path("recipe.yaml"), [], records)
     assert len(trained) == 2  # warm_start itself skips an actor that is there
+
+
+def test_the_runs_table_gives_each_runs_outcomes_and_its_last_window():
+    """One row per run: collapsed, final validation, learned with its margin over the run's own
+    warm start, and over the last window the zero-reward batches, mean k3 KL and mean lr factor
+    (1 without a step-size rule), and the steps the equal-reward rule skipped."""
+    stale = MapCell("stable_budget_4e-4", "gae", 8, 2e-4, 0, 1)
+    fresh = MapCell("stable_budget_4e-4", "gae", 0, 2e-4, 1, 0)
+    outcomes = {stale: Outcome(True, 0.5), fresh: Outcome(False, 0.25)}
+    series = {
+        stale: {
+            "rollout/reward": [(s, 0.0 if s in (1, 4) else 0.5) for s in range(1, 6)],
+            "kl/mu_pi_k3": [(1, 9.0), (4, 0.01), (5, 0.03)],
+            "lr/actor_scale": [(4, 0.25), (5, 0.26)],
+            "actor/skipped_equal_reward": [(1, 1.0), (4, 1.0), (5, 0.0)],
+        },
+        fresh: {"rollout/reward": [(1, 0.0)]},
+    }
+    table = lm_map.runs_table(outcomes, series, {0: 0.3125, 1: 0.5}, window=2)
+    rows = [line for line in table.splitlines() if line.startswith("| stable")]
+    assert rows == [
+        "| stable_budget_4e-4 | gae | 0 | 0.0002 | 1 | 0 | yes | 0.250 | no (-0.250) | 1 | - | 1 | 0 |",
+        "| stable_budget_4e-4 | gae | 8 | 0.0002 | 0 | 1 | no | 0.500 | yes (+0.188) | 1 | 0.020 "
+        "| 0.26 | 2 |",
+    ]
