@@ -116,6 +116,8 @@ RECORDED_TAGS = (
     "lr/actor_scale",
     "actor/skipped_equal_reward",
 )
+#: A run's logged scalars: tag -> (step, value) pairs.
+Series = dict[str, list[tuple[int, float]]]
 #: A finished run's scalar series, read from its event file once per process: the outcomes and the
 #: warning replay read the same runs, and a configuration's SAME_RUNS cells are another's runs.
 read_series = functools.cache(read_cell)
@@ -401,10 +403,10 @@ def read_outcomes(
     collapse_window: int,
     collapse_count: int,
     val_window: int,
-) -> tuple[dict[MapCell, Outcome], list[MapCell]]:
-    """The outcome of every finished cell (run under ``out`` or recorded in ``records``,
-    :func:`run_series`), and the cells with neither (missing)."""
-    outcomes, missing = {}, []
+) -> tuple[dict[MapCell, Outcome], dict[MapCell, Series], list[MapCell]]:
+    """The outcome and the logged series of every finished cell (run under ``out`` or recorded
+    in ``records``, :func:`run_series`), and the cells with neither (missing)."""
+    outcomes, logged, missing = {}, {}, []
     for cell in cells:
         series = run_series(cell, out, records)
         if series is None:
@@ -414,7 +416,8 @@ def read_outcomes(
             series["rollout/reward"], window=collapse_window, count=collapse_count
         )
         outcomes[cell] = Outcome(survived, final_validation(series["val/reward"], val_window))
-    return outcomes, missing
+        logged[cell] = series
+    return outcomes, logged, missing
 
 
 def first_warnings(
@@ -467,7 +470,7 @@ def _last(series: dict[str, list[tuple[int, float]]], tag: str, window: int) -> 
 
 def runs_table(
     outcomes: dict[MapCell, Outcome],
-    series: dict[MapCell, dict[str, list[tuple[int, float]]]],
+    series: dict[MapCell, Series],
     warm_rewards: dict[int, float],
     window: int = COLLAPSE_WINDOW,
 ) -> str:
@@ -689,7 +692,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
         with ThreadPoolExecutor(args.workers) as pool:
             list(pool.map(one, runs))
-    outcomes, missing = read_outcomes(
+    outcomes, series, missing = read_outcomes(
         cells, args.out, records, collapse_window=args.collapse_window,
         collapse_count=args.collapse_count, val_window=args.val_window,
     )  # fmt: skip
@@ -700,11 +703,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = map_tables(outcomes, warm_rewards)
     if outcomes:
         watch = CollapseWarning()
-        series: dict[MapCell, dict[str, list[tuple[int, float]]]] = {}
-        for cell in outcomes:
-            logged = run_series(cell, args.out, records)
-            assert logged is not None  # an outcome is read from its series
-            series[cell] = logged
         warnings = {cell: first_warnings(series[cell], watch) for cell in outcomes}
         text += "\n\n" + warning_table(outcomes, warnings, watch)
         text += "\n\n" + runs_table(outcomes, series, warm_rewards)
