@@ -317,16 +317,14 @@ def write_record(records: Path, cell: MapCell, out: Path) -> None:
 
 
 @functools.cache
-def _load_record(path: Path) -> dict[str, list[tuple[int, float]]]:
+def _load_record(path: Path) -> Series:
     series = json.loads(path.read_text())["series"]
     return {
         tag: [(int(step), float(value)) for step, value in points] for tag, points in series.items()
     }
 
 
-def run_series(
-    cell: MapCell, out: Path, records: Path
-) -> dict[str, list[tuple[int, float]]] | None:
+def run_series(cell: MapCell, out: Path, records: Path) -> Series | None:
     """The logged series of ``cell``'s finished run: from its run folder where it ran under
     ``out`` (recording it first if ``records`` has no record of it; a record that disagrees with
     the run is reported and the run is read), else from its record; None when it has neither."""
@@ -420,9 +418,7 @@ def read_outcomes(
     return outcomes, logged, missing
 
 
-def first_warnings(
-    series: dict[str, list[tuple[int, float]]], watch: CollapseWarning
-) -> dict[str, int | None]:
+def first_warnings(series: Series, watch: CollapseWarning) -> dict[str, int | None]:
     """Per signal ``watch`` watches (``COLLAPSE_SIGNALS``' threshold names), the rollout step at
     which it would first have warned on a recorded run's ``series``, or None: the callback's own
     rule (:func:`brace_lightning.callbacks.warning_positions`) replayed on the logged values."""
@@ -464,7 +460,7 @@ def warning_table(
     )
 
 
-def _last(series: dict[str, list[tuple[int, float]]], tag: str, window: int) -> list[float]:
+def _last(series: Series, tag: str, window: int) -> list[float]:
     return [value for _, value in sorted(series.get(tag, []))][-window:]
 
 
