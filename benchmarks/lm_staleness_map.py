@@ -464,6 +464,15 @@ def _last(series: Series, tag: str, window: int) -> list[float]:
     return [value for _, value in sorted(series.get(tag, []))][-window:]
 
 
+def _mean_text(values: list[float]) -> str:
+    """The mean to 3 decimals, ``-`` when there is none; one that rounds to zero prints as
+    0.000, also a tiny negative one (k3 KL on fresh batches)."""
+    if not values:
+        return "-"
+    mean = sum(values) / len(values)
+    return f"{mean:.3f}" if round(mean, 3) != 0 else "0.000"
+
+
 def runs_table(
     outcomes: dict[MapCell, Outcome],
     series: dict[MapCell, Series],
@@ -489,7 +498,7 @@ def runs_table(
         rows.append(
             [cell.config, cell.target, cell.lag, f"{cell.lr:g}", cell.warm, cell.seed]
             + ["no" if outcome.survived else "yes", f"{outcome.final_val:.3f}", learned, zeros]
-            + [f"{sum(k3) / len(k3):.3f}" if k3 else "-"]
+            + [_mean_text(k3)]
             + [f"{sum(scale) / len(scale):.2f}" if scale else "1"]
             + [f"{skipped:g}"]
         )

@@ -312,12 +312,12 @@ def test_the_runs_table_gives_each_runs_outcomes_and_its_last_window():
             "lr/actor_scale": [(4, 0.25), (5, 0.26)],
             "actor/skipped_equal_reward": [(1, 1.0), (4, 1.0), (5, 0.0)],
         },
-        fresh: {"rollout/reward": [(1, 0.0)]},
+        fresh: {"rollout/reward": [(1, 0.0)], "kl/mu_pi_k3": [(1, -1e-7)]},
     }
     table = lm_map.runs_table(outcomes, series, {0: 0.3125, 1: 0.5}, window=2)
     rows = [line for line in table.splitlines() if line.startswith("| stable")]
     assert rows == [
-        "| stable_budget_4e-4 | gae | 0 | 0.0002 | 1 | 0 | yes | 0.250 | no (-0.250) | 1 | - | 1 | 0 |",
+        "| stable_budget_4e-4 | gae | 0 | 0.0002 | 1 | 0 | yes | 0.250 | no (-0.250) | 1 | 0.000 | 1 | 0 |",
         "| stable_budget_4e-4 | gae | 8 | 0.0002 | 0 | 1 | no | 0.500 | yes (+0.188) | 1 | 0.020 "
         "| 0.26 | 2 |",
     ]
