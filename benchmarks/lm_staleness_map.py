@@ -366,8 +366,12 @@ def collapsed(
 ) -> bool:
     """The pre-registered collapse: at least ``count`` of the last ``window`` rollout batches (by
     step) have mean reward exactly 0."""
-    last = [value for _, value in sorted(rewards)][-window:]
-    return sum(value == 0.0 for value in last) >= count
+    return zero_batches(rewards, window) >= count
+
+
+def zero_batches(rewards: list[tuple[int, float]], window: int = COLLAPSE_WINDOW) -> int:
+    """How many of the last ``window`` rollout batches (by step) have mean reward exactly 0."""
+    return sum(value == 0.0 for _, value in sorted(rewards)[-window:])
 
 
 def final_validation(val_rewards: list[tuple[int, float]], window: int = VAL_WINDOW) -> float:
@@ -460,16 +464,13 @@ def warning_table(
     )
 
 
-def _last(series: Series, tag: str, window: int) -> list[float]:
-    return [value for _, value in sorted(series.get(tag, []))][-window:]
-
-
-def _mean_text(values: list[float]) -> str:
-    """The mean to 3 decimals, ``-`` when there is none; one that rounds to zero prints as
-    0.000, also a tiny negative one (k3 KL on fresh batches)."""
+def _mean_text(values: list[tuple[int, float]], window: int) -> str:
+    """The mean of the last ``window`` values to 3 decimals (:func:`window_mean`), ``-`` when
+    there is none; one that rounds to zero prints as 0.000, also a tiny negative one (k3 KL on
+    fresh batches)."""
     if not values:
         return "-"
-    mean = sum(values) / len(values)
+    mean = window_mean(values, window)
     return f"{mean:.3f}" if round(mean, 3) != 0 else "0.000"
 
 
@@ -491,15 +492,14 @@ def runs_table(
         learned = (
             "n/a" if math.isnan(margin) else f"{'yes' if margin > 0 else 'no'} ({margin:+.3f})"
         )
-        zeros = sum(value == 0.0 for value in _last(logged, "rollout/reward", window))
-        k3 = _last(logged, "kl/mu_pi_k3", window)
-        scale = _last(logged, "lr/actor_scale", window)
+        zeros = zero_batches(logged["rollout/reward"], window)
+        k3 = _mean_text(logged.get("kl/mu_pi_k3", []), window)
+        scale = logged.get("lr/actor_scale", [])
         skipped = sum(value for _, value in logged.get("actor/skipped_equal_reward", []))
         rows.append(
             [cell.config, cell.target, cell.lag, f"{cell.lr:g}", cell.warm, cell.seed]
             + ["no" if outcome.survived else "yes", f"{outcome.final_val:.3f}", learned, zeros]
-            + [_mean_text(k3)]
-            + [f"{sum(scale) / len(scale):.2f}" if scale else "1"]
+            + [k3, f"{window_mean(scale, window):.2f}" if scale else "1"]
             + [f"{skipped:g}"]
         )
     header = ["configuration", "target", "S", "actor lr", "warm", "seed", "collapsed"]
@@ -676,11 +676,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     records = args.records if args.records is not None else args.out / "records"
     if not args.aggregate_only:
-        runs = list(dict.fromkeys(cell.same_run() for cell in cells))  # each run once
-        for cell in runs:
+        runs = []
+        for cell in dict.fromkeys(cell.same_run() for cell in cells):  # each run once
             if recorded_elsewhere(cell, args.out, records):
                 print(f"{cell}: recorded", flush=True)
-        runs = [cell for cell in runs if not recorded_elsewhere(cell, args.out, records)]
+            else:
+                runs.append(cell)
         for warm in dict.fromkeys(cell.warm for cell in runs):  # only those a run starts from
             status = prepare_warm_start(args.out, warm, args.config, args.extra, records)
             print(f"warm start {warm}: validation {status}", flush=True)
