@@ -12,6 +12,12 @@ training, re-record them with::
 
 and say in the commit why the numbers moved.
 
+The runs use portable numerics (:data:`PORTABLE_NUMERICS`): ATen's scalar kernels and MKL's
+conditional-reproducibility mode. With the CPU's own fast paths, float32 sums round differently
+on another CPU (an AMD EPYC with AVX2 against the machine that first recorded them: the
+first critic loss differs in the 8th digit), so a recording would only hold on the machine that
+made it.
+
 Run as ``python -m tests.support.recorded_runs OUT -- fit ARGS...`` it is the subprocess driver.
 """
 
@@ -47,6 +53,15 @@ NONDETERMINISTIC = (
     "count/buffered",
     "count/generated",
 )
+
+#: Environment of every recorded run, so that its float32 arithmetic does not depend on which x86
+#: CPU runs it: ATen's kernels without AVX dispatch, MKL's SSE2 path that Intel documents as giving
+#: the same results on every Intel and compatible processor, oneDNN capped to SSE4.1.
+PORTABLE_NUMERICS = {
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+    "ONEDNN_MAX_CPU_ISA": "SSE41",
+}
 
 #: Shared by every run: short, small batches, logs off; the rest is the recipe's.
 COMMON = (
@@ -156,7 +171,13 @@ class Recorder(pl.Callback):
 
 def run(name: str, out: Path) -> dict[str, Any]:
     """Run recorded run ``name`` in a subprocess; its record."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    env = {
+        **os.environ,
+        **PORTABLE_NUMERICS,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+    }
     env.pop("PL_GLOBAL_SEED", None)
     command = [
         sys.executable,
