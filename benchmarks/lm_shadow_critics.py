@@ -93,7 +93,7 @@ from brace_lightning.shadow import (
     to_batch,
     version_files,
 )
-from brace_lightning.sweep import holm_rows, interval, paired_difference
+from brace_lightning.sweep import copy_atomic, holm_rows, interval, paired_difference, write_marker
 from brace_lightning.targets import BRACE, GAE, ValueTarget, VTrace
 
 #: Variant name -> its value target (BRACE at the paper's ρ̄ = 1.2, c̄ = 1.1).
@@ -350,7 +350,7 @@ def train_one(cell_folder: Path, variant: str, budget: int) -> float:
     torch.set_num_threads(1)
     start = time.monotonic()
     rows = train_variant(cell_folder / "stream", variant, budget)
-    _write_json(critic_file(cell_folder, variant, budget), rows)
+    write_marker(critic_file(cell_folder, variant, budget), rows, indent=1)
     return time.monotonic() - start
 
 
@@ -358,10 +358,7 @@ def keep(path: Path, kept: Path) -> None:
     """Copy a finished file to its record (once); a record that differs is reported, not
     overwritten (the record is what was reported)."""
     if not kept.exists():
-        kept.parent.mkdir(parents=True, exist_ok=True)
-        partial = kept.with_suffix(".partial")
-        shutil.copyfile(path, partial)
-        partial.replace(kept)
+        copy_atomic(path, kept)
     elif kept.read_bytes() != path.read_bytes():
         print(f"{path} differs from its record {kept}; the record is kept", flush=True)
 
@@ -385,7 +382,7 @@ def check_stream(folder: Path, kept: Path) -> None:
             )
     else:
         kept.mkdir(parents=True, exist_ok=True)
-        _write_json(path, {"sha256": digest})
+        write_marker(path, {"sha256": digest}, indent=1)
 
 
 def train_runs(
@@ -407,7 +404,7 @@ def train_runs(
         (folder / "critics").mkdir(parents=True, exist_ok=True)
         drift = folder / "critics" / "drift.json"
         if not drift.exists():
-            _write_json(drift, drift_statistics(folder / "stream"))
+            write_marker(drift, drift_statistics(folder / "stream"), indent=1)
         keep(drift, kept / "critics" / "drift.json")
         for variant in variants:
             for budget in budgets:
@@ -419,7 +416,7 @@ def train_runs(
                     keep(local, record)
                     print(f"train {name} {variant} budget {budget}: skipped", flush=True)
                 elif record.exists():
-                    shutil.copyfile(record, local)
+                    copy_atomic(record, local)
                     print(
                         f"train {name} {variant} budget {budget}: restored from {record}",
                         flush=True,
@@ -449,12 +446,6 @@ def complete(kept: Path, variants: Sequence[str], budgets: Sequence[int]) -> boo
     need not be recorded again."""
     files = [critic_file(kept, v, b) for v in variants for b in budgets]
     return all(path.exists() for path in [*files, kept / "critics" / "drift.json"])
-
-
-def _write_json(path: Path, payload: Any) -> None:
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(payload, indent=1) + "\n")
-    partial.replace(path)  # a stopped run leaves no half-written marker
 
 
 # ---------------------------------------------------------------------------------- aggregate
@@ -642,7 +633,7 @@ def aggregate(
         for name, folder in runs.items()
         if (folder / "critics" / "drift.json").exists()
     }
-    _write_json(out / "scores.json", scores)
+    write_marker(out / "scores.json", scores, indent=1)
     text = summary(scores, drift, budgets, versions)
     (out / "summary.md").write_text(text + "\n")
     return text

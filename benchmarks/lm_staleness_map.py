@@ -71,7 +71,7 @@ from benchmarks.lm_staleness import (
 )
 from brace_lightning import statistics
 from brace_lightning.callbacks import COLLAPSE_SIGNALS, CollapseWarning, warning_positions
-from brace_lightning.sweep import paired_difference, write_marker
+from brace_lightning.sweep import copy_atomic, paired_difference, write_marker
 
 LAGS = (0, 4, 8, 16)
 LRS = (2.5e-5, 5e-5, 1e-4, 2e-4)
@@ -247,7 +247,7 @@ def pin_warm_start(out: Path, warm: int, records: Path) -> None:
     if (kept / "config.json").exists():
         if not (actor / "config.json").exists():
             shutil.rmtree(actor, ignore_errors=True)
-            shutil.copytree(kept, actor)
+            copy_atomic(kept, actor)
         elif (actor / "model.safetensors").read_bytes() != (
             kept / "model.safetensors"
         ).read_bytes():
@@ -256,10 +256,7 @@ def pin_warm_start(out: Path, warm: int, records: Path) -> None:
                 "--out (the recorded one is then used) or another --records."
             )
     elif (actor / "config.json").exists():
-        partial = kept.with_name("actor.partial")
-        shutil.rmtree(partial, ignore_errors=True)
-        shutil.copytree(actor, partial)
-        partial.replace(kept)
+        copy_atomic(actor, kept)
 
 
 def prepare_warm_start(

@@ -67,6 +67,7 @@ import itertools
 import json
 import math
 import multiprocessing
+import shutil
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -88,6 +89,7 @@ __all__ = [
     "aggregate",
     "cells",
     "collect",
+    "copy_atomic",
     "interval",
     "main",
     "markdown_table",
@@ -155,13 +157,27 @@ def paired_difference(
     return d, low, high, word
 
 
-def write_marker(path: Path, payload: dict[str, Any]) -> None:
+def write_marker(path: Path, payload: Any, *, indent: int | None = None) -> None:
     """Write a cell's resume marker (JSON) atomically: a cell killed while writing leaves no
-    marker, so a rerun runs it again; a cell with a marker is skipped."""
+    marker, so a rerun runs it again; a cell with a marker is skipped. ``indent`` as
+    :func:`json.dumps` (an indented file ends with a newline)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".tmp")
-    partial.write_text(json.dumps(payload))
-    partial.rename(path)
+    partial.write_text(json.dumps(payload, indent=indent) + ("" if indent is None else "\n"))
+    partial.replace(path)
+
+
+def copy_atomic(source: Path, target: Path) -> None:
+    """Copy the file or folder ``source`` to ``target`` through a ``.partial`` sibling, so a copy
+    stopped halfway leaves no ``target`` (a folder ``target`` must not exist yet)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    if source.is_dir():
+        shutil.rmtree(partial, ignore_errors=True)
+        shutil.copytree(source, partial)
+    else:
+        shutil.copyfile(source, partial)
+    partial.replace(target)
 
 
 def table_header(header: Sequence[str]) -> str:

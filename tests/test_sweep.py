@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from brace_lightning import sweep
 from brace_lightning.sweep import aggregate, cells, collect, interval, main
 
 
@@ -228,3 +229,23 @@ def test_primary_block_is_checked_and_every_sim_grid_declares_a_dated_one() -> N
             (Path(__file__).parent.parent / "sweeps" / f"{name}.yaml").read_text()
         )
         assert check_primary(grid) is not None, name
+
+
+def test_markers_and_copies_are_written_whole(tmp_path: Path) -> None:
+    """A marker reads back as written (compact, or indented with a final newline); a copied file
+    or folder appears whole under its name, and a leftover ``.partial`` from a stopped copy is
+    replaced, not merged."""
+    sweep.write_marker(tmp_path / "a" / "m.json", {"x": [1, 2]})
+    assert (tmp_path / "a" / "m.json").read_text() == '{"x": [1, 2]}'
+    sweep.write_marker(tmp_path / "n.json", {"x": 1}, indent=1)
+    assert (tmp_path / "n.json").read_text() == '{\n "x": 1\n}\n'
+    assert sorted(p.name for p in tmp_path.rglob("*.tmp")) == []
+
+    sweep.copy_atomic(tmp_path / "n.json", tmp_path / "kept" / "n.json")
+    assert (tmp_path / "kept" / "n.json").read_bytes() == (tmp_path / "n.json").read_bytes()
+    stale = tmp_path / "copy.partial"
+    stale.mkdir()
+    (stale / "half_written").write_text("")
+    sweep.copy_atomic(tmp_path / "a", tmp_path / "copy")
+    assert sorted(p.name for p in (tmp_path / "copy").iterdir()) == ["m.json"]
+    assert not stale.exists()
