@@ -35,9 +35,12 @@ validation reward per (S, lr); the exact tests; the differences to S = 0) and ``
 panel per configuration and target, cells coloured by the surviving fraction and labelled with the
 mean final validation reward). The full grid is 2 × 2 × 4 × 4 = 64 map cells per seed, about 20
 CPU hours for 2 seeds on the counting recipe; screen with 2 seeds, then add seeds and warm starts
-at the boundary cells::
+at the boundary cells (``--boundary``: the screen's cells on its boundary by the declared rule,
+:func:`boundary_cells`, get the five runs of :data:`BOUNDARY_RUNS`, and ``OUT/map.md`` lists them
+with why)::
 
     .venv/bin/python -m benchmarks.lm_staleness_map --out runs/lm_map --seeds 0 1 --warm-seeds 0
+    .venv/bin/python -m benchmarks.lm_staleness_map --out runs/lm_map --seeds 0 1 --warm-seeds 0 --boundary
 """
 
 from __future__ import annotations
@@ -121,6 +124,12 @@ Series = dict[str, list[tuple[int, float]]]
 #: A finished run's scalar series, read from its event file once per process: the outcomes and the
 #: warning replay read the same runs, and a configuration's SAME_RUNS cells are another's runs.
 read_series = functools.cache(read_cell)
+
+#: The runs a boundary cell gets (docs/stability.md, declared 2026-12-07): seeds 0–2 of warm start
+#: 0 and seeds 0–1 of warm start 1, as (warm start, seed); the screen's two are the first two.
+BOUNDARY_RUNS = ((0, 0), (0, 1), (0, 2), (1, 0), (1, 1))
+#: A map cell without its warm start and seed: (configuration, target, lag, lr).
+CellKey = tuple[str, str, int, float]
 
 
 def _staleness_budget() -> float:
@@ -508,7 +517,7 @@ def runs_table(
     )
 
 
-def _key(cell: MapCell) -> tuple[str, str, int, float]:
+def _key(cell: MapCell) -> CellKey:
     return cell.config, cell.target, cell.lag, cell.lr
 
 
@@ -589,6 +598,82 @@ def map_tables(outcomes: dict[MapCell, Outcome], warm_rewards: dict[int, float])
     return "\n\n".join(sections)
 
 
+def boundary_cells(
+    outcomes: dict[MapCell, Outcome],
+    screen: Sequence[MapCell],
+) -> tuple[dict[CellKey, str], list[CellKey]]:
+    """The screen's boundary by the rule declared with it (docs/stability.md, 2026-12-07).
+
+    A cell of a (configuration, target) panel is on the boundary when its screen runs split (some
+    but not all survived), or when all of them survived and the next cell up along S (same lr) or
+    along lr (same S) had all of its screen runs collapse. Returns the boundary cells with the
+    reason, and the cells the rule cannot decide yet (a screen run of the cell, or of a neighbour
+    it needs, is missing)."""
+    runs: dict[CellKey, list[MapCell]] = {}
+    for cell in screen:
+        runs.setdefault(_key(cell), []).append(cell)
+    lags = sorted({lag for _, _, lag, _ in runs})
+    lrs = sorted({lr for _, _, _, lr in runs})
+
+    def alive(key: CellKey) -> int | None:
+        """Survivors among the screen runs of ``key``; None while one of them is missing."""
+        if any(cell not in outcomes for cell in runs[key]):
+            return None
+        return sum(outcomes[cell].survived for cell in runs[key])
+
+    boundary: dict[CellKey, str] = {}
+    undecided: list[CellKey] = []
+    for key in runs:
+        config, target, lag, lr = key
+        k, n = alive(key), len(runs[key])
+        if k is None:
+            undecided.append(key)
+            continue
+        if 0 < k < n:
+            boundary[key] = f"split ({k}/{n} survived)"
+            continue
+        if k == 0:
+            continue
+        reasons, unknown = [], False
+        for name, up in (
+            ("S", (config, target, lags[lags.index(lag) + 1], lr) if lag != lags[-1] else None),
+            ("lr", (config, target, lag, lrs[lrs.index(lr) + 1]) if lr != lrs[-1] else None),
+        ):
+            if up is None or up not in runs:
+                continue
+            up_alive = alive(up)
+            if up_alive is None:
+                unknown = True
+            elif up_alive == 0:
+                reasons.append(f"the next {name} up (S = {up[2]}, lr {up[3]:g}) collapsed")
+        if reasons:
+            boundary[key] = "; ".join(reasons)
+        elif unknown:
+            undecided.append(key)
+    return boundary, undecided
+
+
+def boundary_grid(boundary: Sequence[CellKey]) -> list[MapCell]:
+    """The runs of the boundary cells (:data:`BOUNDARY_RUNS`), in run order: warm start and seed
+    outermost, as :func:`map_grid`."""
+    return [
+        MapCell(config, target, lag, lr, warm, seed)
+        for warm, seed in BOUNDARY_RUNS
+        for config, target, lag, lr in sorted(boundary)
+    ]
+
+
+def boundary_table(boundary: dict[CellKey, str], undecided: Sequence[CellKey]) -> str:
+    """Markdown: the boundary cells with why, then the cells the rule cannot decide yet."""
+    rows = [[c, t, lag, f"{lr:g}", why] for (c, t, lag, lr), why in sorted(boundary.items())]
+    text = "**boundary cells (the declared rule, read from the screen's runs)**\n\n"
+    text += markdown_table(["config", "target", "S", "actor lr", "why"], rows) if rows else "none"
+    if undecided:
+        cells = ", ".join(f"{c}/{t}/S={lag}/lr={lr:g}" for c, t, lag, lr in sorted(undecided))
+        text += f"\n\nnot decided yet (a screen run missing): {cells}"
+    return text
+
+
 def map_figure(outcomes: dict[MapCell, Outcome], path: Path) -> None:
     """PNG: one panel per (configuration, target); rows lag S, columns actor lr; each cell
     coloured by the fraction of its runs that survived (red 0 → green 1) and labelled with the
@@ -629,6 +714,33 @@ def map_figure(outcomes: dict[MapCell, Outcome], path: Path) -> None:
     plt.close(fig)
 
 
+def run_missing(cells: Sequence[MapCell], args: argparse.Namespace, records: Path) -> None:
+    """Run the cells not run or recorded yet (each shared run once, ``--workers`` at a time),
+    after the warm starts they start from; each finished run leaves its record."""
+    runs = []
+    for cell in dict.fromkeys(cell.same_run() for cell in cells):  # each run once
+        if recorded_elsewhere(cell, args.out, records):
+            print(f"{cell}: recorded", flush=True)
+        else:
+            runs.append(cell)
+    for warm in dict.fromkeys(cell.warm for cell in runs):  # only those a run starts from
+        status = prepare_warm_start(args.out, warm, args.config, args.extra, records)
+        print(f"warm start {warm}: validation {status}", flush=True)
+    run = functools.partial(
+        map_command, out=args.out, steps=args.steps, every=args.every, recipe=args.config,
+        extra=args.extra,
+    )  # fmt: skip
+
+    def one(cell: MapCell) -> None:
+        status = run_marked(cell.folder(args.out), run(cell), {"cell": cell.__dict__})
+        if status == "done":
+            write_record(records, cell, args.out)
+        print(f"{cell}: {status}", flush=True)
+
+    with ThreadPoolExecutor(args.workers) as pool:
+        list(pool.map(one, runs))
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Command line: prepare the warm starts, run the missing cells, then write the map."""
     parser = argparse.ArgumentParser(
@@ -657,6 +769,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         help="where each finished run's record goes and is read from: a run recorded there is "
         "not run again (default: OUT/records; the docs' maps use docs/figures/lm_map/records)",
     )
+    parser.add_argument(
+        "--boundary",
+        action="store_true",
+        help="read the grid as the screen and give each cell on its boundary (the rule of "
+        "docs/stability.md, boundary_cells) the runs of BOUNDARY_RUNS: seeds 0-2 of warm start "
+        "0 and 0-1 of warm start 1",
+    )
     parser.add_argument("--aggregate-only", action="store_true", help="run no cell")
     parser.add_argument("extra", nargs="*", help="more CLI overrides for every run, after --")
     args = parser.parse_args(argv)
@@ -673,37 +792,32 @@ def main(argv: Sequence[str] | None = None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     records = args.records if args.records is not None else args.out / "records"
     if not args.aggregate_only:
-        runs = []
-        for cell in dict.fromkeys(cell.same_run() for cell in cells):  # each run once
-            if recorded_elsewhere(cell, args.out, records):
-                print(f"{cell}: recorded", flush=True)
-            else:
-                runs.append(cell)
-        for warm in dict.fromkeys(cell.warm for cell in runs):  # only those a run starts from
-            status = prepare_warm_start(args.out, warm, args.config, args.extra, records)
-            print(f"warm start {warm}: validation {status}", flush=True)
-        run = functools.partial(
-            map_command, out=args.out, steps=args.steps, every=args.every, recipe=args.config,
-            extra=args.extra,
+        run_missing(cells, args, records)
+    boundary: dict[CellKey, str] = {}
+    undecided: list[CellKey] = []
+    if args.boundary:  # the screen's boundary cells get their runs (BOUNDARY_RUNS)
+        screen, _, _ = read_outcomes(
+            cells, args.out, records, collapse_window=args.collapse_window,
+            collapse_count=args.collapse_count, val_window=args.val_window,
         )  # fmt: skip
-
-        def one(cell: MapCell) -> None:
-            status = run_marked(cell.folder(args.out), run(cell), {"cell": cell.__dict__})
-            if status == "done":
-                write_record(records, cell, args.out)
-            print(f"{cell}: {status}", flush=True)
-
-        with ThreadPoolExecutor(args.workers) as pool:
-            list(pool.map(one, runs))
+        boundary, undecided = boundary_cells(screen, cells)
+        known = set(cells)
+        added = [cell for cell in boundary_grid(list(boundary)) if cell not in known]
+        if not args.aggregate_only:
+            run_missing(added, args, records)
+        cells += added
     outcomes, series, missing = read_outcomes(
         cells, args.out, records, collapse_window=args.collapse_window,
         collapse_count=args.collapse_count, val_window=args.val_window,
     )  # fmt: skip
-    for warm in args.warm_seeds:
+    warms = sorted({cell.warm for cell in cells})
+    for warm in warms:
         if warm_sha256(args.out, warm) is not None:  # a warm start here is recorded too
             pin_warm_start(args.out, warm, records)
-    warm_rewards = {warm: warm_validation(args.out, warm, records) for warm in args.warm_seeds}
+    warm_rewards = {warm: warm_validation(args.out, warm, records) for warm in warms}
     text = map_tables(outcomes, warm_rewards)
+    if args.boundary:
+        text += "\n\n" + boundary_table(boundary, undecided)
     if outcomes:
         watch = CollapseWarning()
         warnings = {cell: first_warnings(series[cell], watch) for cell in outcomes}

@@ -321,3 +321,74 @@ def test_the_runs_table_gives_each_runs_outcomes_and_its_last_window():
         "| stable_budget_4e-4 | gae | 8 | 0.0002 | 0 | 1 | no | 0.500 | yes (+0.188) | 1 | 0.020 "
         "| 0.26 | 2 |",
     ]
+
+
+def _screen(lags: tuple[int, ...], lrs: tuple[float, ...]) -> list[MapCell]:
+    return lm_map.map_grid(["recipe"], ["gae"], lags, lrs, [0], [0, 1])
+
+
+def test_the_boundary_rule_finds_splits_and_the_last_survivors_before_a_collapse():
+    """Declared with the screen (docs/stability.md): a cell is on the boundary when its screen
+    runs split, or when both survived and the next cell up along S or along lr had both collapse;
+    a cell whose decision needs a run not there yet is reported as undecided."""
+    lags, lrs = (0, 4, 8), (5e-5, 1e-4)
+    screen = _screen(lags, lrs)
+    alive = {  # (lag, lr) -> survival of seeds 0 and 1
+        (0, 5e-5): (True, True),  # the next up along S survived: not boundary
+        (0, 1e-4): (True, True),  # the next up along S collapsed: boundary
+        (4, 5e-5): (True, True),  # the next up along lr (4, 1e-4) collapsed: boundary
+        (4, 1e-4): (False, False),  # collapsed: never boundary
+        (8, 5e-5): (True, False),  # split
+        (8, 1e-4): (False, None),  # seed 1 missing: undecided
+    }
+    outcomes = {}
+    for cell in screen:
+        survived = alive[(cell.lag, cell.lr)][cell.seed]
+        if survived is not None:
+            outcomes[cell] = Outcome(survived, 0.5 if survived else 0.0)
+    boundary, undecided = lm_map.boundary_cells(outcomes, screen)
+    assert boundary == {
+        ("recipe", "gae", 0, 1e-4): "the next S up (S = 4, lr 0.0001) collapsed",
+        ("recipe", "gae", 4, 5e-5): "the next lr up (S = 4, lr 0.0001) collapsed",
+        ("recipe", "gae", 8, 5e-5): "split (1/2 survived)",
+    }
+    assert undecided == [("recipe", "gae", 8, 1e-4)]
+    # A survivor whose only collapsed-or-not neighbour is missing cannot be decided yet; at the
+    # grid's top corner (no neighbour up) a survivor is not on the boundary.
+    del outcomes[MapCell("recipe", "gae", 4, 1e-4, 0, 1)]
+    boundary, undecided = lm_map.boundary_cells(outcomes, screen)
+    assert ("recipe", "gae", 4, 5e-5) in undecided and ("recipe", "gae", 0, 1e-4) in undecided
+    corner = _screen((0,), (5e-5,))
+    assert lm_map.boundary_cells({c: Outcome(True, 0.5) for c in corner}, corner) == ({}, [])
+
+
+def test_boundary_cells_get_five_runs_from_two_warm_starts_in_run_order():
+    cells = lm_map.boundary_grid([("recipe", "gae", 8, 5e-5), ("recipe", "brace", 4, 1e-4)])
+    assert [(c.warm, c.seed) for c in cells[::2]] == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert [c.target for c in cells[:2]] == ["brace", "gae"]
+    assert len(set(cells)) == 10
+
+
+def test_the_boundary_option_reads_the_screen_and_lists_what_the_boundary_still_needs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+):
+    """``--boundary --aggregate-only`` on records: the screen's outcomes decide the boundary,
+    whose added runs (not recorded yet) are listed as missing; nothing runs."""
+    records = tmp_path / "records"
+    for cell in _screen((0, 4), (5e-5,)):
+        rewards = [(s, 0.0 if cell.lag == 4 and cell.seed == 1 else 0.5) for s in range(1, 41)]
+        series = {"rollout/reward": rewards, "val/reward": [(40, 0.5)]}
+        payload = {"cell": cell.__dict__, "series": series}
+        path = lm_map.record_file(records, cell)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(payload))
+    argv = ["--out", str(tmp_path / "out"), "--records", str(records), "--configs", "recipe"]
+    argv += ["--targets", "gae", "--lags", "0", "4", "--lrs", "5e-5", "--boundary"]
+    lm_map.main([*argv, "--aggregate-only"])
+    printed = capsys.readouterr().out
+    assert "| recipe | gae | 4 | 5e-05 | split (1/2 survived) |" in printed
+    missing = printed.split("missing cells (3): ")[1].strip().split(", ")
+    assert missing == [
+        f"recipe/gae/lag4/lr5e-05/warm{w}/seed{s}" for w, s in ((0, 2), (1, 0), (1, 1))
+    ]
+    assert not (tmp_path / "out" / "cells").exists()
