@@ -346,6 +346,40 @@ def run_series(cell: MapCell, out: Path, records: Path) -> Series | None:
     return _load_record(path) if path.exists() else None
 
 
+def run_seconds(cell: MapCell, out: Path, records: Path) -> float | None:
+    """The wall-clock seconds of ``cell``'s finished run (one torch thread): from its marker where
+    it ran under ``out``, else from its record; None when it has neither."""
+    marker, path = cell.folder(out) / "done.json", record_file(records, cell)
+    for source in (marker, path):
+        if source.exists():
+            seconds = json.loads(source.read_text()).get("seconds")
+            return None if seconds is None else float(seconds)
+    return None
+
+
+def cost_table(cells: Sequence[MapCell], out: Path, records: Path) -> str:
+    """Markdown: where the map's CPU time went, per (configuration, target) the finished runs
+    (each shared run once, :meth:`MapCell.same_run`), their summed hours and median minutes."""
+    seconds: dict[tuple[str, str], list[float]] = {}
+    for run in dict.fromkeys(cell.same_run() for cell in cells):
+        value = run_seconds(run, out, records)
+        if value is not None:
+            seconds.setdefault((run.config, run.target), []).append(value)
+    rows = [
+        [config, target, len(values), f"{sum(values) / 3600:.1f}", f"{median(values) / 60:.1f}"]
+        for (config, target), values in sorted(seconds.items())
+    ]
+    every = [value for values in seconds.values() for value in values]
+    if every:
+        rows.append(
+            ["all", "", len(every), f"{sum(every) / 3600:.1f}", f"{median(every) / 60:.1f}"]
+        )
+    header = ["runs of", "target", "runs", "CPU hours", "median minutes"]
+    return "**CPU time of the runs read (one torch thread each)**\n\n" + markdown_table(
+        header, rows
+    )
+
+
 def recorded_elsewhere(cell: MapCell, out: Path, records: Path) -> bool:
     """Whether ``cell``'s run has a record but did not run under ``out`` (it is not run again)."""
     return record_file(records, cell).exists() and not (cell.folder(out) / "done.json").exists()
@@ -668,9 +702,12 @@ def boundary_table(boundary: dict[CellKey, str], undecided: Sequence[CellKey]) -
     rows = [[c, t, lag, f"{lr:g}", why] for (c, t, lag, lr), why in sorted(boundary.items())]
     text = "**boundary cells (the declared rule, read from the screen's runs)**\n\n"
     text += markdown_table(["config", "target", "S", "actor lr", "why"], rows) if rows else "none"
-    if undecided:
-        cells = ", ".join(f"{c}/{t}/S={lag}/lr={lr:g}" for c, t, lag, lr in sorted(undecided))
-        text += f"\n\nnot decided yet (a screen run missing): {cells}"
+    panels: dict[tuple[str, str], int] = {}
+    for config, target, _, _ in undecided:
+        panels[(config, target)] = panels.get((config, target), 0) + 1
+    if panels:
+        counts = ", ".join(f"{c}/{t}: {n}" for (c, t), n in sorted(panels.items()))
+        text += f"\n\ncells not decided yet (a screen run they need is missing): {counts}"
     return text
 
 
@@ -818,6 +855,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = map_tables(outcomes, warm_rewards)
     if args.boundary:
         text += "\n\n" + boundary_table(boundary, undecided)
+    text += "\n\n" + cost_table(cells, args.out, records)
     if outcomes:
         watch = CollapseWarning()
         warnings = {cell: first_warnings(series[cell], watch) for cell in outcomes}

@@ -353,6 +353,9 @@ def test_the_boundary_rule_finds_splits_and_the_last_survivors_before_a_collapse
         ("recipe", "gae", 8, 5e-5): "split (1/2 survived)",
     }
     assert undecided == [("recipe", "gae", 8, 1e-4)]
+    text = lm_map.boundary_table(boundary, undecided)
+    assert "| recipe | gae | 8 | 5e-05 | split (1/2 survived) |" in text
+    assert text.endswith("cells not decided yet (a screen run they need is missing): recipe/gae: 1")
     # A survivor whose only collapsed-or-not neighbour is missing cannot be decided yet; at the
     # grid's top corner (no neighbour up) a survivor is not on the boundary.
     del outcomes[MapCell("recipe", "gae", 4, 1e-4, 0, 1)]
@@ -392,3 +395,26 @@ def test_the_boundary_option_reads_the_screen_and_lists_what_the_boundary_still_
         f"recipe/gae/lag4/lr5e-05/warm{w}/seed{s}" for w, s in ((0, 2), (1, 0), (1, 1))
     ]
     assert not (tmp_path / "out" / "cells").exists()
+
+
+def test_the_cost_table_sums_each_run_once_from_its_marker_or_record(tmp_path: Path):
+    """How the CPU hours were spent: a run under OUT counts its marker's seconds, a recorded one
+    its record's; a cell that is another configuration's run (SAME_RUNS) is that run, counted once."""
+    out, records = tmp_path / "out", tmp_path / "records"
+    here = MapCell("recipe", "gae", 4, 5e-5, 0, 0)
+    here.folder(out).mkdir(parents=True)
+    (here.folder(out) / "done.json").write_text(json.dumps({"seconds": 600.0}))
+    shared = MapCell("stable_rho", "gae", 4, 5e-5, 0, 0)
+    for cell, seconds in ((shared, 1200.0), (MapCell("stable_rho", "gae", 8, 5e-5, 0, 0), 1800.0)):
+        path = lm_map.record_file(records, cell)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"cell": cell.__dict__, "seconds": seconds, "series": {}}))
+    cells = [here, shared, MapCell("stable_budget_4e-4", "gae", 4, 5e-5, 0, 0)]  # S·lr 2e-4: shared
+    cells += [MapCell("recipe", "gae", 16, 5e-5, 0, 0)]  # not run: not counted
+    assert lm_map.run_seconds(cells[-1], out, records) is None
+    rows = [line for line in lm_map.cost_table(cells, out, records).splitlines() if "| " in line]
+    assert rows[1:] == [
+        "| recipe | gae | 1 | 0.2 | 10.0 |",
+        "| stable_rho | gae | 1 | 0.3 | 20.0 |",
+        "| all |  | 2 | 0.5 | 15.0 |",
+    ]
