@@ -54,6 +54,7 @@ import math
 import os
 import platform
 import shutil
+from collections import Counter
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -702,9 +703,7 @@ def boundary_table(boundary: dict[CellKey, str], undecided: Sequence[CellKey]) -
     rows = [[c, t, lag, f"{lr:g}", why] for (c, t, lag, lr), why in sorted(boundary.items())]
     text = "**boundary cells (the declared rule, read from the screen's runs)**\n\n"
     text += markdown_table(["config", "target", "S", "actor lr", "why"], rows) if rows else "none"
-    panels: dict[tuple[str, str], int] = {}
-    for config, target, _, _ in undecided:
-        panels[(config, target)] = panels.get((config, target), 0) + 1
+    panels = Counter((config, target) for config, target, _, _ in undecided)
     if panels:
         counts = ", ".join(f"{c}/{t}: {n}" for (c, t), n in sorted(panels.items()))
         text += f"\n\ncells not decided yet (a screen run they need is missing): {counts}"
@@ -855,12 +854,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = map_tables(outcomes, warm_rewards)
     if args.boundary:
         text += "\n\n" + boundary_table(boundary, undecided)
-    text += "\n\n" + cost_table(cells, args.out, records)
     if outcomes:
         watch = CollapseWarning()
         warnings = {cell: first_warnings(series[cell], watch) for cell in outcomes}
         text += "\n\n" + warning_table(outcomes, warnings, watch)
         text += "\n\n" + runs_table(outcomes, series, warm_rewards)
+    text += "\n\n" + cost_table(cells, args.out, records)
     (args.out / "map.md").write_text(text + "\n")
     (args.out / "outcomes.json").write_text(
         json.dumps([{**c.__dict__, **o.__dict__} for c, o in outcomes.items()], indent=1)

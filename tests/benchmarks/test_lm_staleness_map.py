@@ -395,6 +395,8 @@ def test_the_boundary_option_reads_the_screen_and_lists_what_the_boundary_still_
         f"recipe/gae/lag4/lr5e-05/warm{w}/seed{s}" for w, s in ((0, 2), (1, 0), (1, 1))
     ]
     assert not (tmp_path / "out" / "cells").exists()
+    sections = (tmp_path / "out" / "map.md").read_text().split("\n\n**")
+    assert sections[-1].startswith("CPU time of the runs read")  # the docs call it the last table
 
 
 def test_the_cost_table_sums_each_run_once_from_its_marker_or_record(tmp_path: Path):
