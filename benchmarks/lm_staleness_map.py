@@ -376,9 +376,19 @@ def cost_table(cells: Sequence[MapCell], out: Path, records: Path) -> str:
             ["all", "", len(every), f"{sum(every) / 3600:.1f}", f"{median(every) / 60:.1f}"]
         )
     header = ["runs of", "target", "runs", "CPU hours", "median minutes"]
-    return "**CPU time of the runs read (one torch thread each)**\n\n" + markdown_table(
+    text = "**CPU time of the runs read (one torch thread each)**\n\n" + markdown_table(
         header, rows
     )
+    stands_for: dict[str, set[str]] = {}
+    for cell in cells:
+        if cell.same_run().config != cell.config:
+            stands_for.setdefault(cell.same_run().config, set()).add(cell.config)
+    for config, served in sorted(stands_for.items()):
+        text += (
+            f"\n\n`{config}`'s runs here are also the cells of {', '.join(sorted(served))} "
+            "that train bit for bit as them (SAME_RUNS); each is counted once."
+        )
+    return text
 
 
 def recorded_elsewhere(cell: MapCell, out: Path, records: Path) -> bool:

@@ -414,7 +414,12 @@ def test_the_cost_table_sums_each_run_once_from_its_marker_or_record(tmp_path: P
     cells = [here, shared, MapCell("stable_budget_4e-4", "gae", 4, 5e-5, 0, 0)]  # S·lr 2e-4: shared
     cells += [MapCell("recipe", "gae", 16, 5e-5, 0, 0)]  # not run: not counted
     assert lm_map.run_seconds(cells[-1], out, records) is None
-    rows = [line for line in lm_map.cost_table(cells, out, records).splitlines() if "| " in line]
+    table = lm_map.cost_table(cells, out, records)
+    assert table.endswith(
+        "`stable_rho`'s runs here are also the cells of stable_budget_4e-4 "
+        "that train bit for bit as them (SAME_RUNS); each is counted once."
+    )
+    rows = [line for line in table.splitlines() if "| " in line]
     assert rows[1:] == [
         "| recipe | gae | 1 | 0.2 | 10.0 |",
         "| stable_rho | gae | 1 | 0.3 | 20.0 |",
