@@ -381,8 +381,9 @@ def cost_table(cells: Sequence[MapCell], out: Path, records: Path) -> str:
     )
     stands_for: dict[str, set[str]] = {}
     for cell in cells:
-        if cell.same_run().config != cell.config:
-            stands_for.setdefault(cell.same_run().config, set()).add(cell.config)
+        run = cell.same_run()
+        if run.config != cell.config and (run.config, run.target) in seconds:
+            stands_for.setdefault(run.config, set()).add(cell.config)
     for config, served in sorted(stands_for.items()):
         text += (
             f"\n\n`{config}`'s runs here are also the cells of {', '.join(sorted(served))} "

@@ -419,6 +419,8 @@ def test_the_cost_table_sums_each_run_once_from_its_marker_or_record(tmp_path: P
         "`stable_rho`'s runs here are also the cells of stable_budget_4e-4 "
         "that train bit for bit as them (SAME_RUNS); each is counted once."
     )
+    unrun = MapCell("stable_budget_4e-4", "gae", 4, 2.5e-5, 0, 0)  # stable_rho's, not run
+    assert "SAME_RUNS" not in lm_map.cost_table([unrun], out, records)  # no row, no line on it
     rows = [line for line in table.splitlines() if "| " in line]
     assert rows[1:] == [
         "| recipe | gae | 1 | 0.2 | 10.0 |",
