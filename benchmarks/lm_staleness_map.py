@@ -361,8 +361,9 @@ def run_seconds(cell: MapCell, out: Path, records: Path) -> float | None:
 def cost_table(cells: Sequence[MapCell], out: Path, records: Path) -> str:
     """Markdown: where the map's CPU time went, per (configuration, target) the finished runs
     (each shared run once, :meth:`MapCell.same_run`), their summed hours and median minutes."""
+    runs = {cell: cell.same_run() for cell in cells}
     seconds: dict[tuple[str, str], list[float]] = {}
-    for run in dict.fromkeys(cell.same_run() for cell in cells):
+    for run in dict.fromkeys(runs.values()):
         value = run_seconds(run, out, records)
         if value is not None:
             seconds.setdefault((run.config, run.target), []).append(value)
@@ -380,8 +381,7 @@ def cost_table(cells: Sequence[MapCell], out: Path, records: Path) -> str:
         header, rows
     )
     stands_for: dict[str, set[str]] = {}
-    for cell in cells:
-        run = cell.same_run()
+    for cell, run in runs.items():
         if run.config != cell.config and (run.config, run.target) in seconds:
             stands_for.setdefault(run.config, set()).add(cell.config)
     for config, served in sorted(stands_for.items()):
