@@ -255,7 +255,7 @@ class BraceModule(pl.LightningModule):
                 cpu_offload=self.fsdp_cpu_offload,
             )
         copies = [c.policy for c in (self.ewma, self.reference) if c is not None]
-        self.scorer.prepare(self.actor, self.critic, copies)
+        self.scorer.prepare(self.actor, self.critic, copies, self.value_target.needs_score_norms)
 
     def configure_optimizers(self) -> Any:
         return optim.configure_optimizers(
@@ -296,12 +296,7 @@ class BraceModule(pl.LightningModule):
     def _next_batch(self, dataloader_iter: Iterator) -> RolloutBatch:
         batch, _, _ = next(dataloader_iter)
         batch = batch.to(self.device)
-        if len(batch) == 0 or batch.num_actions == 0:
-            counts = {k: v for k, v in batch.info.items() if k.startswith("count/")}
-            raise RuntimeError(
-                f"rollout step {self.rollout_step}: the rollout batch has no action tokens "
-                f"(counts: {counts}); check the task, the reward function and max_staleness."
-            )
+        batch.require_actions(self.rollout_step)
         if self.reference is not None and not self.reference.captured:
             self.reference.capture(self.actor)  # the actor as RL training starts
         return batch
@@ -335,9 +330,13 @@ class BraceModule(pl.LightningModule):
                 batch = dataclasses.replace(batch, rewards=batch.rewards + penalty)
                 metrics["kl/ref_penalty"] = float(penalty.sum(1).mean())
                 reference = None  # the actor loss has no KL term
-        start = time.perf_counter()
+        start = time.perf_counter()  # with score_sq_norms, where the target reads them (VCPO)
+        inputs = self.scorer.target_inputs(
+            self.value_target, self.actor, batch, temperature, self.aggregation.weigh
+        )
         with blame(self.rollout_step, self.value_target):
             targets = self.value_target(
+                **inputs,
                 rewards=batch.rewards,
                 values=old_values,
                 target_logprobs=proximal,

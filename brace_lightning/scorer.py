@@ -11,6 +11,10 @@ shape those forwards:
   ``configure_model``): ``pack_sequences`` and both the actor and the critic can pack. Preparing
   switches an SDPA model to row-by-row attention; a model that cannot pack makes it log one
   sentence and keep padded rows, so the token budget always counts what is computed.
+
+One pass is not micro-batched: :meth:`Scorer.score_sq_norms`, each response's squared
+score-gradient norm (one forward and backward per row), for a value target that reads it (VCPO's
+optimal baseline, ``targets/groups.py``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from brace_lightning.models.microbatch import MicroBatch, equalize, plan_micro_b
 from brace_lightning.models.packing import packed_token_logprobs, packed_values, prepare_packing
 from brace_lightning.models.policy import token_logprobs
 from brace_lightning.rollout.types import RolloutBatch
+from brace_lightning.targets import ValueTarget
 
 
 def shift_values(values: torch.Tensor) -> torch.Tensor:
@@ -73,10 +78,21 @@ class Scorer:
         self.packed: bool | None = None  # decided by prepare()
 
     def prepare(
-        self, actor: nn.Module, critic: nn.Module | None, copies: Iterable[nn.Module]
+        self,
+        actor: nn.Module,
+        critic: nn.Module | None,
+        copies: Iterable[nn.Module],
+        score_norms: bool = False,
     ) -> None:
         """Decide packing once (later calls change nothing; ``critic`` None: a critic-free run)
-        and make ``copies`` of the actor (EWMA, reference) attend like it."""
+        and make ``copies`` of the actor (EWMA, reference) attend like it. ``score_norms``: the
+        value target reads :meth:`score_sq_norms`, refused for an FSDP2-sharded actor."""
+        if score_norms and isinstance(actor, FSDPModule):
+            raise ValueError(
+                "value_target optimal_baseline=True needs each row's gradient norm, which is not "
+                "supported with ModelParallelStrategy (FSDP2); use strategy 'ddp' or "
+                "optimal_baseline=False."
+            )
         if self.packed is not None:
             return
         self.packed = self.pack_sequences
@@ -141,6 +157,50 @@ class Scorer:
             return self.logprobs(model, ids, attn, temperature)
 
         return score_rows(logprobs, batch.input_ids, batch.attention_mask, plan)
+
+    def target_inputs(
+        self,
+        value_target: ValueTarget,
+        actor: nn.Module,
+        batch: RolloutBatch,
+        temperature: float,
+        weigh: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> dict[str, torch.Tensor]:
+        """The value target's optional inputs that cost forwards: ``score_sq_norms`` (this step's
+        ``actor``) when ``value_target.needs_score_norms``, else nothing (a custom target need not
+        take them)."""
+        if not value_target.needs_score_norms:
+            return {}
+        return {"score_sq_norms": self.score_sq_norms(actor, batch, temperature, weigh)}
+
+    def score_sq_norms(
+        self,
+        model: nn.Module,
+        batch: RolloutBatch,
+        temperature: float,
+        weigh: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """``[B]`` float64: per row, ‖∇_θ Σ_t weigh(log π_θ(y), mask)_t‖² over ``model``'s
+        trainable parameters, the squared norm of the gradient the row gives the actor loss per
+        unit of advantage (``weigh``: the loss aggregation's row factor). One forward and one
+        ``torch.autograd.grad`` per row, on its own columns (nothing is written to ``.grad``; the
+        caller may hold ``torch.no_grad``). A row without actions gets 0."""
+        params = [p for p in model.parameters() if p.requires_grad]
+        out = torch.zeros(len(batch), dtype=torch.float64, device=batch.input_ids.device)
+        with torch.enable_grad():
+            for i in range(len(batch)):
+                real = batch.attention_mask[i].nonzero()
+                if not bool(batch.mask[i].any()) or len(real) == 0:
+                    continue
+                row = slice(i, i + 1), slice(int(real[0]), int(real[-1]) + 1)
+                mask = batch.mask[row]
+                logprobs = self.logprobs(
+                    model, batch.input_ids[row], batch.attention_mask[row], temperature
+                )
+                total = weigh(torch.where(mask, logprobs, 0.0), mask).sum()
+                grads = torch.autograd.grad(total, params, allow_unused=True)
+                out[i] = sum(float(g.double().square().sum()) for g in grads if g is not None)
+        return out
 
     def score_values(
         self, critic: nn.Module | None, batch: RolloutBatch, plan: list[MicroBatch]

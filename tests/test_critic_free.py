@@ -220,3 +220,38 @@ def test_the_importance_weighted_arm_differs_from_grpo_only_in_its_baseline():
     assert weighted["model"]["value_target"]["init_args"].pop("baseline_rho_bar") == 1.2
     assert grpo["model"]["value_target"]["init_args"].pop("baseline_rho_bar") is None
     assert weighted == grpo
+
+
+def test_the_optimal_baseline_arm_differs_from_grpo_only_in_its_baseline():
+    import yaml
+
+    grpo, optimal = (
+        yaml.safe_load((CONFIGS / "targets" / f"{name}.yaml").read_text())
+        for name in ("grpo", "grpo_opob")
+    )
+    assert optimal["model"]["value_target"]["init_args"].pop("optimal_baseline") is True
+    assert optimal == grpo
+
+
+@pytest.mark.slow
+def test_the_optimal_baseline_trains_on_stale_groups_and_moves_only_the_advantages(tmp_path):
+    """GRPO and its optimal-baseline overlay from the same seed, 2 versions stale: both see the
+    same first batch; the baseline weighted by w² ‖g‖² gives other advantages (the responses'
+    gradient norms differ) and so another actor. That the norm pass writes no ``.grad`` is
+    tested on the Scorer (test_module.py)."""
+    stale = ("--data.lag=2", "--data.max_staleness=2", PARITY, "--data.samples_per_prompt=4")
+    scalars, actors = {}, {}
+    for name in ("grpo", "grpo_opob"):
+        overlay = str(CONFIGS / "targets" / f"{name}.yaml")
+        cli = run(small_run(tmp_path / name, "--config", overlay, *stale, steps=3))
+        assert cli.model.critic is None and cli.model.policy_version == 3
+        scalars[name] = read_scalars(cli.trainer.logger.log_dir)
+        actors[name] = actor_weights(cli)
+    assert max(value for _, value in scalars["grpo_opob"]["data/staleness_max"]) == 2.0
+    rewards = [[v for _, v in scalars[n]["rollout/reward"]][0] for n in scalars]
+    assert rewards[0] == rewards[1]  # the same first batch
+    assert [v for _, v in scalars["grpo"]["rollout/advantage_std"]] != [
+        v for _, v in scalars["grpo_opob"]["rollout/advantage_std"]
+    ]
+    first = next(iter(actors["grpo"]))
+    assert not torch.equal(actors["grpo"][first], actors["grpo_opob"][first])

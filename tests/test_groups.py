@@ -1,5 +1,5 @@
-"""Group-relative targets (GRPO, Dr. GRPO, RLOO), their importance-weighted baseline and the loss
-aggregation modes: float64 references, identities and TRL's conventions."""
+"""Group-relative targets (GRPO, Dr. GRPO, RLOO), their importance-weighted and off-policy optimal
+baselines and the loss aggregation modes: float64 references, identities and TRL's conventions."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from brace_lightning.objectives.aggregation import (
     row_factors,
 )
 from brace_lightning.targets import GAE, GRPO, RLOO, DrGRPO, group_advantages
-from brace_lightning.targets.groups import sequence_weights
+from brace_lightning.targets.groups import optimal_baseline_weights, sequence_weights
 from tests.support.reference_groups import (
     reference_aggregate,
     reference_group_advantages,
@@ -156,9 +156,10 @@ def test_sequence_weights_are_truncated_ratios_up_to_one_scale_per_group():
     assert bool(torch.isfinite(huge).all()) and bool(torch.isfinite(tiny).all())
 
 
-def test_importance_weighted_baseline_changes_the_advantage():
-    rewards, target, behavior, mask, ids = token_inputs(3)
-    args = dict(
+def target_kwargs(seed: int) -> dict[str, torch.Tensor]:
+    """:func:`token_inputs` as a value target's keyword arguments (values: ignored, no critic)."""
+    rewards, target, behavior, mask, ids = token_inputs(seed)
+    return dict(
         rewards=rewards,
         values=rewards,
         target_logprobs=target,
@@ -166,10 +167,89 @@ def test_importance_weighted_baseline_changes_the_advantage():
         mask=mask,
         group_ids=ids,
     )
+
+
+def test_importance_weighted_baseline_changes_the_advantage():
+    args = target_kwargs(3)
     plain, weighted = DrGRPO()(**args).advantages, DrGRPO(baseline_rho_bar=1.2)(**args).advantages
     assert not torch.allclose(plain, weighted)
-    on_policy = DrGRPO(baseline_rho_bar=1.2)(**{**args, "behavior_logprobs": target}).advantages
+    on_policy = DrGRPO(baseline_rho_bar=1.2)(
+        **{**args, "behavior_logprobs": args["target_logprobs"]}
+    ).advantages
     torch.testing.assert_close(on_policy, plain)  # π = µ: all weights 1, the plain mean
+
+
+@pytest.mark.parametrize("cls", [GRPO, DrGRPO, RLOO])
+@pytest.mark.parametrize("rho_bar", [None, 1.3])
+def test_optimal_baseline_matches_the_reference_at_every_action(cls, rho_bar):
+    args = target_kwargs(5)
+    rewards, target, behavior, mask, ids = (
+        args[k] for k in ("rewards", "target_logprobs", "behavior_logprobs", "mask", "group_ids")
+    )
+    norms = torch.rand(len(ids), generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    norms = norms * 1e3 + 1e-3  # gradient norms over orders of magnitude
+    target_ = cls(baseline_rho_bar=rho_bar, optimal_baseline=True)
+    assert target_.needs_score_norms and target_.uses_importance_weights
+    assert not cls().needs_score_norms and not cls(baseline_rho_bar=1.2).needs_score_norms
+    out = target_(**args, score_sq_norms=norms)
+    ratios = reference_sequence_weights(target, behavior, mask, rho_bar or math.inf)
+    weights = [w * w * float(n) for w, n in zip(ratios, norms, strict=True)]
+    want = reference_group_advantages(
+        rewards.sum(1).tolist(), ids.tolist(), cls.estimator, 1e-4, weights
+    )
+    expected = torch.where(mask, torch.tensor(want, dtype=torch.float64)[:, None], 0.0)
+    torch.testing.assert_close(out.advantages, expected, rtol=1e-10, atol=1e-12)
+
+
+def test_optimal_baseline_weights_stay_finite_and_keep_zero_weights_zero():
+    ids = torch.tensor([0, 0, 0, 1, 1])
+    ratios = torch.tensor([1.0, 1e-200, 0.5, 0.0, 0.0], dtype=torch.float64)
+    norms = torch.tensor([1e300, 1e300, 0.0, 2.0, 3.0], dtype=torch.float64)
+    got = optimal_baseline_weights(ratios, norms, ids)
+    assert bool(torch.isfinite(got).all())
+    # 1e-200² · 1e300 underflows beside row 0's 1e300: weight 0, as a zero norm and a zero ratio
+    assert got.tolist() == [1.0, 0.0, 0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="score_sq_norms must be finite, non-negative"):
+        optimal_baseline_weights(ratios, -norms, ids)
+    with pytest.raises(ValueError, match="ratio_weights must be finite, non-negative"):
+        optimal_baseline_weights(ratios[:2], norms, ids)
+
+
+def test_the_optimal_baseline_minimises_the_off_policy_gradient_variance_on_a_bandit():
+    """Exact, by enumeration: a softmax policy π over 5 actions, samples from µ ≠ π, the estimator
+    w(a)(r(a) − b)∇log π(a). Its variance is a parabola in b whose minimum is E_µ[w²‖g‖²r] /
+    E_µ[w²‖g‖²], the weights optimal_baseline_weights forms; the IS-weighted mean (weights w) and
+    the plain mean are worse."""
+    g = torch.Generator().manual_seed(0)
+    theta = torch.randn(5, generator=g, dtype=torch.float64)
+    mu = torch.softmax(torch.randn(5, generator=g, dtype=torch.float64), 0)
+    pi = torch.softmax(theta, 0)
+    rewards = torch.rand(5, generator=g, dtype=torch.float64)
+    w = pi / mu
+    scores = torch.eye(5, dtype=torch.float64) - pi  # ∇_θ log π(a) = e_a − π, one row per action
+    sq_norms = scores.square().sum(1)
+
+    def variance(b: float) -> float:
+        estimates = w[:, None] * (rewards - b)[:, None] * scores  # [actions, params]
+        mean = (mu[:, None] * estimates).sum(0)
+        return float((mu * (estimates - mean).square().sum(1)).sum())
+
+    # The weights of the estimator, applied to µ-probabilities (a group that is the whole support).
+    ids = torch.zeros(5, dtype=torch.long)
+    opob = optimal_baseline_weights(w / w.max(), sq_norms, ids) * mu
+    best = float((opob * rewards).sum() / opob.sum())
+    is_mean = float((mu * w * rewards).sum() / (mu * w).sum())
+    plain = float((mu * rewards).sum())
+    assert variance(best) < min(variance(is_mean), variance(plain), variance(0.0))
+    for step in (1e-3, -1e-3):
+        assert variance(best) < variance(best + step)
+
+
+def test_the_optimal_baseline_needs_the_norms_and_a_bool():
+    with pytest.raises(ValueError, match="score_sq_norms must be given to RLOO"):
+        RLOO(optimal_baseline=True)(**target_kwargs(0))
+    with pytest.raises(ValueError, match="optimal_baseline must be a bool; got 'yes'"):
+        GRPO(optimal_baseline="yes")  # type: ignore[arg-type]
 
 
 def test_critic_free_targets_need_no_critic_and_need_group_ids():

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from brace_lightning import module as module_file
 from brace_lightning.models.copies import (
@@ -22,8 +23,10 @@ from brace_lightning.models.copies import (
     ReferencePolicy,
     upgrade_checkpoint_keys,
 )
+from brace_lightning.models.policy import token_logprobs
 from brace_lightning.module import BraceModule, shift_values
 from brace_lightning.objectives import PPOEWMA
+from brace_lightning.objectives.aggregation import LossAggregation
 from brace_lightning.ranks import Ranks, whiten
 from brace_lightning.scorer import Scored, Scorer
 from brace_lightning.step_metrics import UpdateStats
@@ -97,6 +100,56 @@ def test_the_scorer_decides_packing_once_and_refuses_to_guess_before() -> None:
     torch.testing.assert_close(
         torch.where(batch.mask, packed_lp, 0), torch.where(batch.mask, padded_lp, 0)
     )
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_score_sq_norms_match_a_float64_reference_on_the_padded_batch(packed, mode) -> None:
+    """Each row's ‖∇_θ Σ_t f_i log π_θ(y_t)‖² (f_i the aggregation's row factor), computed row by
+    row on the row's own columns, equals the gradient of that row's part of one padded float64
+    forward of the whole batch; no ``.grad`` is written, and a row without actions gets 0."""
+    module = BraceModule(**TINY)
+    actor = module.actor.double()
+    batch = fixed_batch()
+    batch.mask[5] = False  # no actions
+    scorer = Scorer(micro_batch_size=None, max_tokens=None, pack_sequences=packed)
+    scorer.prepare(actor, None, [])
+    with torch.no_grad():
+        got = scorer.score_sq_norms(actor, batch, 1.0, LossAggregation(mode).weigh)
+    assert got.dtype == torch.float64 and all(p.grad is None for p in actor.parameters())
+    params = [p for p in actor.parameters() if p.requires_grad]
+    logprobs = token_logprobs(actor, batch.input_ids, batch.attention_mask)[0]
+    assert logprobs.dtype == torch.float64
+    for i in range(len(batch) - 1):
+        total = logprobs[i][batch.mask[i]].sum()
+        if mode == "seq_mean_token_mean":
+            total = total / batch.mask[i].sum()
+        grads = torch.autograd.grad(total, params, retain_graph=True, allow_unused=True)
+        want = sum(float(g.square().sum()) for g in grads if g is not None)
+        assert float(got[i]) == pytest.approx(want, rel=1e-9), i
+    assert float(got[5]) == 0.0 and bool((got[:5] > 0).all())
+
+
+def test_the_scorer_refuses_score_norms_for_an_fsdp2_actor_in_one_sentence() -> None:
+    class Sharded(FSDPModule, torch.nn.Linear):
+        pass
+
+    sharded = torch.nn.Linear(2, 2)
+    sharded.__class__ = Sharded  # as fully_shard swaps a module's class
+    scorer = Scorer(micro_batch_size=None, max_tokens=None, pack_sequences=False)
+    with pytest.raises(ValueError, match="optimal_baseline=True needs each row's gradient norm"):
+        scorer.prepare(sharded, None, [], score_norms=True)
+    scorer.prepare(torch.nn.Linear(2, 2), None, [], score_norms=True)  # unsharded: fine
+    assert scorer.packed is False
+
+
+def test_a_batch_without_actions_is_refused_with_the_producers_counts() -> None:
+    batch = fixed_batch()
+    batch.require_actions(rollout_step=3)  # has actions: nothing happens
+    batch.mask[:] = False
+    batch.info["count/dropped_stale"] = 6
+    with pytest.raises(RuntimeError, match=r"rollout step 3: .*no action tokens .*dropped_stale"):
+        batch.require_actions(rollout_step=3)
 
 
 def test_the_ewma_policy_is_the_bias_corrected_average_of_the_actor_weights() -> None:

@@ -89,3 +89,13 @@ class RolloutBatch:
     @property
     def num_actions(self) -> int:
         return int(self.mask.sum())
+
+    def require_actions(self, rollout_step: int) -> None:
+        """Raise RuntimeError, with the producer's ``count/*`` info, if the batch has no action
+        tokens (nothing to train on: every row dropped, or every response empty)."""
+        if len(self) == 0 or self.num_actions == 0:
+            counts = {k: v for k, v in self.info.items() if k.startswith("count/")}
+            raise RuntimeError(
+                f"rollout step {rollout_step}: the rollout batch has no action tokens "
+                f"(counts: {counts}); check the task, the reward function and max_staleness."
+            )

@@ -37,6 +37,10 @@ class ValueTarget:
     #: Discount per action step; subclasses set it in ``__init__`` (β's realized return uses it).
     gamma: float = 1.0
 
+    #: Whether the estimator reads each row's squared score-gradient norm (``score_sq_norms``,
+    #: one backward per row; only the group-relative targets' ``optimal_baseline`` does).
+    needs_score_norms: bool = False
+
     def __call__(
         self,
         *,
@@ -46,9 +50,11 @@ class ValueTarget:
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
         group_ids: torch.Tensor | None = None,
+        score_sq_norms: torch.Tensor | None = None,
     ) -> ValueTargets:
         """All inputs ``[B, T]`` but ``group_ids`` ``[B]`` (int64, rows of one prompt share an id;
-        read by the group-relative targets only); see :mod:`brace_lightning.targets.functional`
+        read by the group-relative targets only) and ``score_sq_norms`` ``[B]`` (‖∇_θ log π_θ(y)‖²
+        per row, given when ``needs_score_norms``); see :mod:`brace_lightning.targets.functional`
         for conventions."""
         raise NotImplementedError
 
@@ -109,6 +115,7 @@ class GAE(ValueTarget):
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
         group_ids: torch.Tensor | None = None,
+        score_sq_norms: torch.Tensor | None = None,
     ) -> ValueTargets:
         out = F.gae(rewards, values, mask, gamma=self.gamma, lmbda=self.lmbda)
         if not self.rho_in_advantage:
@@ -159,6 +166,7 @@ class VTrace(ValueTarget):
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
         group_ids: torch.Tensor | None = None,
+        score_sq_norms: torch.Tensor | None = None,
     ) -> ValueTargets:
         return F.vtrace(
             rewards,
@@ -231,6 +239,7 @@ class BRACE(ValueTarget):
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
         group_ids: torch.Tensor | None = None,
+        score_sq_norms: torch.Tensor | None = None,
     ) -> ValueTargets:
         return F.brace(
             rewards,
@@ -260,7 +269,13 @@ class GroupRelative(ValueTarget):
 
     estimator: groups.Estimator
 
-    def __init__(self, *, eps: float = 1e-4, baseline_rho_bar: float | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        eps: float = 1e-4,
+        baseline_rho_bar: float | None = None,
+        optimal_baseline: bool = False,
+    ) -> None:
         """
         Args:
             eps: added to GRPO's group std (TRL's 1e-4); unused by DrGRPO and RLOO.
@@ -268,6 +283,10 @@ class GroupRelative(ValueTarget):
                 samples). A number ρ̄ > 0: the self-normalised importance-weighted baseline, with
                 sequence weights min(ρ̄, π(y)/µ(y)) (the off-policy correction of stale groups;
                 ``targets/groups.py``).
+            optimal_baseline: VCPO's off-policy optimal baseline: the group's rewards weighted by
+                w_i² ‖∇_θ log π_θ(y_i)‖² (w_i the sequence ratio π/µ, truncated at
+                ``baseline_rho_bar`` if set). Costs one actor backward per row each step; not
+                supported with FSDP2. Default False.
         """
         if not isinstance(eps, int | float) or isinstance(eps, bool) or not 0.0 <= eps < 1.0:
             raise ValueError(f"eps must be a number in [0, 1); got {eps!r}.")
@@ -280,16 +299,22 @@ class GroupRelative(ValueTarget):
                 f"baseline_rho_bar must be None or a positive finite number; got "
                 f"{baseline_rho_bar!r}."
             )
+        require_bool("optimal_baseline", optimal_baseline)
         self.eps = eps
         self.baseline_rho_bar = baseline_rho_bar
+        self.optimal_baseline = optimal_baseline
 
     @property
     def needs_critic(self) -> bool:
         return False
 
     @property
+    def needs_score_norms(self) -> bool:  # type: ignore[override]
+        return self.optimal_baseline
+
+    @property
     def uses_importance_weights(self) -> bool:  # type: ignore[override]
-        return self.baseline_rho_bar is not None
+        return self.baseline_rho_bar is not None or self.optimal_baseline
 
     def __call__(
         self,
@@ -300,6 +325,7 @@ class GroupRelative(ValueTarget):
         behavior_logprobs: torch.Tensor,
         mask: torch.Tensor,
         group_ids: torch.Tensor | None = None,
+        score_sq_norms: torch.Tensor | None = None,
     ) -> ValueTargets:
         if group_ids is None:
             raise ValueError(
@@ -308,10 +334,17 @@ class GroupRelative(ValueTarget):
             )
         sequence_rewards = torch.where(mask, rewards, 0.0).sum(dim=1)
         weights = None
-        if self.baseline_rho_bar is not None:
+        if self.baseline_rho_bar is not None or self.optimal_baseline:
             weights = groups.sequence_weights(
                 target_logprobs, behavior_logprobs, mask, group_ids, self.baseline_rho_bar
             )
+        if self.optimal_baseline:
+            if score_sq_norms is None:
+                raise ValueError(
+                    f"score_sq_norms must be given to {type(self).__name__}(optimal_baseline="
+                    "True) (a [B] tensor of each row's squared score-gradient norm); got None."
+                )
+            weights = groups.optimal_baseline_weights(weights, score_sq_norms, group_ids)
         advantages = groups.group_advantages(
             sequence_rewards, group_ids, self.estimator, eps=self.eps, weights=weights
         )

@@ -24,6 +24,18 @@ leave-one-out baseline does not depend on w_i, so A_i stays free of response i's
 Self-normalisation makes the baseline invariant to one scale per group, which
 :func:`sequence_weights` uses to keep the weights finite (divided by the group's largest).
 
+**Off-policy optimal baseline** (OPOB; Huang et al. 2026, VCPO §4). The baseline that minimises
+the variance of the importance-weighted policy gradient Σ_i w_i (r_i − b) g_i, with g_i the
+gradient row i contributes per unit of advantage (its score function ∇_θ log π_θ(y_i), weighed as
+the loss aggregation weighs the row), is the mean of the rewards weighted by w_i² ‖g_i‖²:
+
+    b*_g = Σ_j w_j² ‖g_j‖² r_j / Σ_j w_j² ‖g_j‖²
+
+:func:`optimal_baseline_weights` forms those weights; the baseline then goes through the same
+self-normalised means as above (RLOO leaves row i out). The trainer computes ‖g_i‖² with one
+backward per row (``Scorer.score_sq_norms``); w_i are :func:`sequence_weights`, untruncated unless
+``baseline_rho_bar`` is set (VCPO's default uses the untruncated ratio).
+
 Everything is vectorised over groups with ``scatter_add`` (cost O(B)); the float64 reference in
 ``tests/support/reference_groups.py`` loops over groups.
 """
@@ -65,14 +77,16 @@ def check_group_inputs(
             f"group_ids must be an int64 tensor of shape {tuple(rewards.shape)} like rewards; got "
             f"shape {tuple(group_ids.shape)} and dtype {group_ids.dtype}."
         )
-    if weights is not None and (
-        weights.shape != rewards.shape
-        or not bool(torch.isfinite(weights).all())
-        or bool((weights < 0).any())
-    ):
+    if weights is not None:
+        _require_per_row("weights", weights, "rewards", rewards.shape)
+
+
+def _require_per_row(name: str, values: torch.Tensor, like: str, shape: torch.Size) -> None:
+    """Raise ValueError unless ``values`` is finite, non-negative and of ``shape`` (``like``'s)."""
+    if values.shape != shape or not bool(torch.isfinite(values).all()) or (values < 0).any():
         raise ValueError(
-            f"weights must be finite, non-negative and of shape {tuple(rewards.shape)} like "
-            f"rewards; got shape {tuple(weights.shape)}."
+            f"{name} must be finite, non-negative and of shape {tuple(shape)} like {like}; got "
+            f"shape {tuple(values.shape)}."
         )
 
 
@@ -126,24 +140,53 @@ def sequence_weights(
     behavior_logprobs: torch.Tensor,
     mask: torch.Tensor,
     group_ids: torch.Tensor,
-    rho_bar: float,
+    rho_bar: float | None,
 ) -> torch.Tensor:
     """``[B]`` truncated sequence importance weights min(ρ̄, π(y)/µ(y)), each group divided by its
     largest weight (the self-normalised baseline does not change; no weight over- or underflows).
 
     ``π(y)/µ(y) = exp Σ_t (log π − log µ)`` over the row's actions (``[B, T]`` inputs, ``mask``
     True at actions). The truncation is applied before the per-group scaling, so it acts on the
-    true ratio. A row without actions gets the ratio 1.
+    true ratio; ``rho_bar=None`` keeps the ratio untruncated. A row without actions gets the
+    ratio 1.
     """
-    if not isinstance(rho_bar, int | float) or not 0.0 < float(rho_bar) < math.inf:
-        raise ValueError(f"rho_bar must be a positive finite number; got {rho_bar!r}.")
-    log_ratio = torch.where(mask, target_logprobs - behavior_logprobs, 0.0).sum(dim=1)
-    log_weight = log_ratio.clamp(max=math.log(rho_bar))
+    if rho_bar is not None and (
+        not isinstance(rho_bar, int | float) or not 0.0 < float(rho_bar) < math.inf
+    ):
+        raise ValueError(f"rho_bar must be None or a positive finite number; got {rho_bar!r}.")
+    log_weight = torch.where(mask, target_logprobs - behavior_logprobs, 0.0).sum(dim=1)
+    if rho_bar is not None:
+        log_weight = log_weight.clamp(max=math.log(rho_bar))
+    return _scaled_to_group_peak(log_weight, group_ids)
+
+
+def _scaled_to_group_peak(log_weight: torch.Tensor, group_ids: torch.Tensor) -> torch.Tensor:
+    """``exp(log_weight)`` ``[B]`` with each group divided by its largest weight (computed in log
+    space, so no weight over- or underflows before the division); −inf gives 0."""
     index, groups = _group_index(group_ids)
     peak = log_weight.new_full((groups,), -math.inf).scatter_reduce(
         0, index, log_weight, reduce="amax"
     )
+    peak = torch.where(torch.isfinite(peak), peak, 0.0)  # a group of zero weights stays zero
     return torch.exp(log_weight - peak[index])
+
+
+def optimal_baseline_weights(
+    ratio_weights: torch.Tensor, score_sq_norms: torch.Tensor, group_ids: torch.Tensor
+) -> torch.Tensor:
+    """``[B]`` weights w_i² ‖g_i‖² of the off-policy optimal baseline (module docstring), each
+    group divided by its largest (only their ratios within a group matter).
+
+    Args:
+        ratio_weights: ``[B]`` sequence importance weights w_i (:func:`sequence_weights`), ≥ 0.
+        score_sq_norms: ``[B]`` squared norms ‖g_i‖² of each row's score gradient, finite, ≥ 0.
+        group_ids: ``[B]`` int64 prompt groups.
+    """
+    _require_per_row("ratio_weights", ratio_weights, "group_ids", group_ids.shape)
+    _require_per_row("score_sq_norms", score_sq_norms, "group_ids", group_ids.shape)
+    norms = score_sq_norms.to(torch.float64)
+    log_weight = 2.0 * ratio_weights.to(torch.float64).log() + norms.log()  # log 0 = −inf: weight 0
+    return _scaled_to_group_peak(log_weight, group_ids).to(ratio_weights.dtype)
 
 
 def broadcast_to_actions(per_sequence: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
