@@ -407,14 +407,18 @@ def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["fsdp", "ddp"])
+@pytest.mark.parametrize(
+    ("strategy", "target"), [("fsdp", "GRPO"), ("ddp", "GRPO"), ("ddp", "GRPO_OPOB")]
+)
 def test_two_ranks_train_a_critic_free_target_like_one_process(
-    strategy: str, tmp_path: Path
+    strategy: str, target: str, tmp_path: Path
 ) -> None:
     # GRPO's groups (rows 2g, 2g+1) stay whole on a rank, so the group statistics need no
     # reduction; the sequence-mean aggregation divides by the rows of both ranks. Rank 0 cuts its
     # rows into more micro-batches than the single process (12-token budget), on packed rows.
-    grpo = ("--target", "GRPO", "--aggregation", "seq_mean_token_mean", "--steps", "2")
+    # GRPO_OPOB: each rank's per-row autograd.grad passes (VCPO's optimal baseline) leave DDP's
+    # gradient averaging of the update intact.
+    grpo = ("--target", target, "--aggregation", "seq_mean_token_mean", "--steps", "2")
     _driver(tmp_path / "single", "fixed", *grpo)
     reports = _driver(
         tmp_path / "two",

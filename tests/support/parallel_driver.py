@@ -190,7 +190,11 @@ def run_fixed(args: argparse.Namespace) -> None:
     else:
         strategy = "auto"
     # --target GRPO: critic-free (groups of 2 rows, each on one rank); no meta init without a critic.
-    critic_free = {"value_target": GRPO()} if args.target == "GRPO" else {}
+    # GRPO_OPOB: with VCPO's optimal baseline (one autograd.grad per row before the update).
+    critic_free = {
+        "GRPO": {"value_target": GRPO()},
+        "GRPO_OPOB": {"value_target": GRPO(optimal_baseline=True)},
+    }.get(args.target, {})
     module = BraceModule(
         **critic_free,
         loss_aggregation=args.aggregation,
@@ -255,7 +259,7 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--pack", action="store_true", help="BraceModule(pack_sequences=True)")
     parser.add_argument("--stop-after", type=int, default=0)
-    parser.add_argument("--target", choices=["BRACE", "GRPO"], default="BRACE")
+    parser.add_argument("--target", choices=["BRACE", "GRPO", "GRPO_OPOB"], default="BRACE")
     parser.add_argument("--aggregation", default="token_mean", help="BraceModule(loss_aggregation)")
     parser.add_argument("--resume", type=str, default=None)
     args = parser.parse_args(argv)
