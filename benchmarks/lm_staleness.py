@@ -11,8 +11,9 @@ target runs with the recipe's hyperparameters; only the target class differs:
 - ``vtrace``: ``configs/targets/vtrace.yaml`` (ρ̄ = c̄ = 1)
 - ``brace``: ``configs/targets/brace.yaml`` (k = 100, ρ̄ = 1.2, c̄ = 1.1, Monte-Carlo tail)
 - ``brace_notail``: the same with ``mc_tail: false`` (``configs/targets/brace_notail.yaml``)
-- ``grpo``, ``grpo_is`` (named in ``--targets``): critic-free GRPO with the group mean, and with
-  the importance-weighted group baseline (``configs/targets/grpo.yaml``, ``grpo_is.yaml``)
+- ``grpo``, ``grpo_is``, ``grpo_opob`` (named in ``--targets``): critic-free GRPO with the group
+  mean, with the importance-weighted group baseline and with VCPO's off-policy optimal baseline
+  (``configs/targets/grpo.yaml``, ``grpo_is.yaml``, ``grpo_opob.yaml``)
 
 A cell writes its TensorBoard events under ``OUT/cells/lag<S>/<target>/seed<N>/`` and, when the run
 exits cleanly, a ``done.json`` marker; cells with a marker are skipped, so a rerun resumes. Cells run
@@ -75,9 +76,11 @@ TARGETS: dict[str, list[str]] = {
 # Ablations of the advantage's ρ factor (V-trace has it, GAE and BRACE do not); not run unless
 # named in --targets.
 TARGETS |= {name: ["--config", str(target_config(name))] for name in ("brace_rho", "vtrace_norho")}
-# Critic-free arms (no critic, so no val/value_gap_mc): GRPO with µ's plain group mean and with the
-# importance-weighted group baseline (docs/value_targets.md); not run unless named in --targets.
-TARGETS |= {name: ["--config", str(target_config(name))] for name in ("grpo", "grpo_is")}
+# Critic-free arms (no critic, so no val/value_gap_mc): GRPO with µ's plain group mean, with the
+# importance-weighted group baseline and with VCPO's optimal baseline (docs/value_targets.md); not
+# run unless named in --targets.
+CRITIC_FREE = ("grpo", "grpo_is", "grpo_opob")
+TARGETS |= {name: ["--config", str(target_config(name))] for name in CRITIC_FREE}
 #: The issue's four targets: the default grid.
 DEFAULT_TARGETS = ["gae", "vtrace", "brace", "brace_notail"]
 

@@ -1,6 +1,6 @@
 """Step time of the quickstart model with each value target, and the value target's share of it.
 
-    python -m benchmarks.train_step [--steps 12] [--repeats 3]
+    python -m benchmarks.train_step [--steps 12] [--repeats 3] [--targets gae vtrace brace]
     python -m benchmarks.train_step --packing [--steps 12] [--repeats 3]
 
 Each run is the quickstart recipe without the warm start (random tiny model, fixed lag 2), timed
@@ -9,7 +9,9 @@ we report the median step time, the median time of the value-target call (logged
 ``time/value_target_ms``) and its share of the step. The overhead of BRACE over GAE is the
 difference of the value-target medians divided by GAE's median step time (paper: +1.5% step time
 for BRACE over uncorrected asynchronous PPO). Runs alternate between targets so that machine load
-affects them alike.
+affects them alike. ``--targets`` names other ``configs/targets/*.yaml`` overlays; the first is
+the baseline of the overhead column (``--targets grpo grpo_opob``: the cost of VCPO's optimal
+baseline, whose per-response backward passes ``time/value_target_ms`` includes).
 
 ``--packing`` times the quickstart (BRACE) with padded micro-batches against packed ones
 (``pack_sequences``): packed with the row-by-row SDPA the trainer switches to
@@ -144,34 +146,44 @@ def main() -> None:
     parser.add_argument(
         "--packing", action="store_true", help="padded against packed micro-batches instead"
     )
+    parser.add_argument(
+        "--targets",
+        nargs="+",
+        default=TARGETS,
+        help="configs/targets/*.yaml names; the first is the overhead column's baseline",
+    )
     args = parser.parse_args()
+    for name in args.targets:
+        if not target_config(name).is_file():
+            parser.error(f"--targets: {name!r} is not a file {target_config(name)}")
     torch.set_num_threads(args.threads)
     if args.packing:
         with tempfile.TemporaryDirectory() as root:
             packing_table(args.steps, args.repeats, Path(root))
         return
-    step_s: dict[str, list[float]] = {t: [] for t in TARGETS}
-    target_ms: dict[str, list[float]] = {t: [] for t in TARGETS}
+    targets, baseline = args.targets, args.targets[0]
+    step_s: dict[str, list[float]] = {t: [] for t in targets}
+    target_ms: dict[str, list[float]] = {t: [] for t in targets}
     with tempfile.TemporaryDirectory() as root:
         for _ in range(args.repeats):
-            for target in TARGETS:
+            for target in targets:
                 seconds, times = one_run(target, args.steps, Path(root))
                 step_s[target] += seconds
                 target_ms[target] += times["time/value_target_ms"]
-    gae_step = statistics.median(step_s["gae"])
-    gae_target = statistics.median(target_ms["gae"]) / 1e3
+    base_step = statistics.median(step_s[baseline])
+    base_target = statistics.median(target_ms[baseline]) / 1e3
     rows = []
-    for target in TARGETS:
+    for target in targets:
         step = statistics.median(step_s[target])
         vt = statistics.median(target_ms[target]) / 1e3
-        overhead = (vt - gae_target) / gae_step
+        overhead = (vt - base_target) / base_step
         rows.append(
             [target, f"{step:.3f}", f"{vt * 1e3:.2f}", f"{vt / step:.3%}", f"{overhead:+.3%}"]
         )
     print_table(
         f"quickstart model, {args.repeats} runs × {args.steps - 1} timed steps per target, "
         f"threads={args.threads}; medians",
-        ["value target", "step s", "value target ms", "share of step", "overhead vs GAE"],
+        ["value target", "step s", "value target ms", "share of step", f"overhead vs {baseline}"],
         rows,
     )
 

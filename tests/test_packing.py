@@ -463,6 +463,21 @@ def test_the_train_step_benchmark_times_padded_and_both_packed_attentions() -> N
         assert step > 0 and update > 0 and forward > 0 and ratio > 0
 
 
+@pytest.mark.slow
+def test_the_train_step_benchmark_compares_the_targets_it_is_given_against_the_first() -> None:
+    done = _benchmark(
+        "train_step", "--targets", "grpo", "grpo_opob", "--steps", "2", "--repeats", "1"
+    )
+    assert "| overhead vs grpo |" in done.stdout, done.stdout
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| ")][1:]  # no header
+    assert [row.split(" | ")[0] for row in rows] == ["| grpo", "| grpo_opob"], done.stdout
+    assert rows[0].endswith("| +0.000% |")
+    base, optimal = (float(row.split(" | ")[2]) for row in rows)  # value target ms
+    assert optimal > base > 0  # the optimal baseline's per-row backward passes are timed
+    bad = _benchmark("train_step", "--targets", "no_such_target", check=False)
+    assert bad.returncode == 2 and "--targets: 'no_such_target' is not a file" in bad.stderr
+
+
 @pytest.mark.parametrize(("padded_logprobs", "chunk"), [("full", None), ("chunked", 8)])
 def test_the_long_responses_padded_baseline_takes_the_log_probs_path_it_is_given(
     monkeypatch: pytest.MonkeyPatch,
