@@ -330,7 +330,7 @@ class BraceModule(pl.LightningModule):
                 batch = dataclasses.replace(batch, rewards=batch.rewards + penalty)
                 metrics["kl/ref_penalty"] = float(penalty.sum(1).mean())
                 reference = None  # the actor loss has no KL term
-        start = time.perf_counter()  # with score_sq_norms, where the target reads them (VCPO)
+        start = time.perf_counter()  # timed with the norms a target may read (VCPO's baseline)
         inputs = self.scorer.target_inputs(
             self.value_target, self.actor, batch, temperature, self.aggregation.weigh
         )

@@ -189,9 +189,9 @@ class Scorer:
         out = torch.zeros(len(batch), dtype=torch.float64, device=batch.input_ids.device)
         with torch.enable_grad():
             for i in range(len(batch)):
-                real = batch.attention_mask[i].nonzero()
-                if not bool(batch.mask[i].any()) or len(real) == 0:
+                if not bool(batch.mask[i].any()):
                     continue
+                real = batch.attention_mask[i].nonzero()
                 row = slice(i, i + 1), slice(int(real[0]), int(real[-1]) + 1)
                 mask = batch.mask[row]
                 logprobs = self.logprobs(
@@ -199,7 +199,9 @@ class Scorer:
                 )
                 total = weigh(torch.where(mask, logprobs, 0.0), mask).sum()
                 grads = torch.autograd.grad(total, params, allow_unused=True)
-                out[i] = sum(float(g.double().square().sum()) for g in grads if g is not None)
+                # Summed on the device in float64, in parameter order: no host sync per tensor.
+                squares = (g.double().square().sum() for g in grads if g is not None)
+                out[i] = sum(squares, out.new_zeros(()))
         return out
 
     def score_values(

@@ -234,7 +234,7 @@ def test_the_optimal_baseline_arm_differs_from_grpo_only_in_its_baseline():
 
 
 @pytest.mark.slow
-def test_the_optimal_baseline_trains_on_stale_groups_and_moves_only_the_advantages(tmp_path):
+def test_the_optimal_baseline_trains_on_stale_groups_with_other_advantages_than_grpo(tmp_path):
     """GRPO and its optimal-baseline overlay from the same seed, 2 versions stale: both see the
     same first batch; the baseline weighted by w² ‖g‖² gives other advantages (the responses'
     gradient norms differ) and so another actor. That the norm pass writes no ``.grad`` is
