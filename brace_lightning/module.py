@@ -255,7 +255,7 @@ class BraceModule(pl.LightningModule):
                 cpu_offload=self.fsdp_cpu_offload,
             )
         copies = [c.policy for c in (self.ewma, self.reference) if c is not None]
-        self.scorer.prepare(self.actor, self.critic, copies, self.value_target.needs_score_norms)
+        self.scorer.prepare(self.actor, self.critic, copies, self.value_target)
 
     def configure_optimizers(self) -> Any:
         return optim.configure_optimizers(
@@ -332,7 +332,7 @@ class BraceModule(pl.LightningModule):
                 reference = None  # the actor loss has no KL term
         start = time.perf_counter()  # timed with the norms a target may read (VCPO's baseline)
         inputs = self.scorer.target_inputs(
-            self.value_target, self.actor, batch, temperature, self.aggregation.weigh
+            self.value_target, self.actor, batch, plan, temperature, self.aggregation.weigh
         )
         with blame(self.rollout_step, self.value_target):
             targets = self.value_target(

@@ -14,7 +14,8 @@ shape those forwards:
 
 One pass is not micro-batched: :meth:`Scorer.score_sq_norms`, each response's squared
 score-gradient norm (one forward and backward per row), for a value target that reads it (VCPO's
-optimal baseline, ``targets/groups.py``).
+optimal baseline, ``targets/groups.py``). Its forward-only proxy, :meth:`Scorer.logit_sq_norms`
+(the norm with respect to the logits, verl's), runs on the micro-batch plan like the scoring.
 """
 
 from __future__ import annotations
@@ -28,8 +29,13 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from brace_lightning.models.microbatch import MicroBatch, equalize, plan_micro_batches, score_rows
-from brace_lightning.models.packing import packed_token_logprobs, packed_values, prepare_packing
-from brace_lightning.models.policy import token_logprobs
+from brace_lightning.models.packing import (
+    packed_token_logit_sq_norms,
+    packed_token_logprobs,
+    packed_values,
+    prepare_packing,
+)
+from brace_lightning.models.policy import token_logit_sq_norms, token_logprobs
 from brace_lightning.rollout.types import RolloutBatch
 from brace_lightning.targets import ValueTarget
 
@@ -82,16 +88,21 @@ class Scorer:
         actor: nn.Module,
         critic: nn.Module | None,
         copies: Iterable[nn.Module],
-        score_norms: bool = False,
+        value_target: ValueTarget | None = None,
     ) -> None:
         """Decide packing once (later calls change nothing; ``critic`` None: a critic-free run)
-        and make ``copies`` of the actor (EWMA, reference) attend like it. ``score_norms``: the
-        value target reads :meth:`score_sq_norms`, refused for an FSDP2-sharded actor."""
-        if score_norms and isinstance(actor, FSDPModule):
+        and make ``copies`` of the actor (EWMA, reference) attend like it. A ``value_target``
+        that reads :meth:`score_sq_norms` is refused for an FSDP2-sharded actor."""
+        exact = (
+            value_target is not None
+            and value_target.needs_score_norms
+            and value_target.score_norm == "parameters"
+        )
+        if exact and isinstance(actor, FSDPModule):
             raise ValueError(
                 "value_target optimal_baseline=True needs each row's gradient norm, which is not "
-                "supported with ModelParallelStrategy (FSDP2); use strategy 'ddp' or "
-                "optimal_baseline=False."
+                "supported with ModelParallelStrategy (FSDP2); use strategy 'ddp', "
+                "score_norm='logits' or optimal_baseline=False."
             )
         if self.packed is not None:
             return
@@ -163,14 +174,18 @@ class Scorer:
         value_target: ValueTarget,
         actor: nn.Module,
         batch: RolloutBatch,
+        plan: list[MicroBatch],
         temperature: float,
         weigh: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     ) -> dict[str, torch.Tensor]:
         """The value target's optional inputs that cost forwards: ``score_sq_norms`` (this step's
-        ``actor``) when ``value_target.needs_score_norms``, else nothing (a custom target need not
-        take them)."""
+        ``actor``; :meth:`score_sq_norms`, or :meth:`logit_sq_norms` on ``plan`` when the target's
+        ``score_norm`` is ``"logits"``) when ``value_target.needs_score_norms``, else nothing (a
+        custom target need not take them)."""
         if not value_target.needs_score_norms:
             return {}
+        if value_target.score_norm == "logits":
+            return {"score_sq_norms": self.logit_sq_norms(actor, batch, plan, temperature, weigh)}
         return {"score_sq_norms": self.score_sq_norms(actor, batch, temperature, weigh)}
 
     def score_sq_norms(
@@ -203,6 +218,28 @@ class Scorer:
                 squares = (g.double().square().sum() for g in grads if g is not None)
                 out[i] = sum(squares, out.new_zeros(()))
         return out
+
+    def logit_sq_norms(
+        self,
+        model: nn.Module,
+        batch: RolloutBatch,
+        plan: list[MicroBatch],
+        temperature: float,
+        weigh: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """``[B]`` float64: per row, Σ_t f_t² ‖e_{y_t} − π_t‖² / τ² over its actions, the squared
+        norm of the gradient of the row's ``weigh``-ed log-prob with respect to the logits (f_t
+        the row factor, π_t the next-token distribution at temperature τ): the forward-only proxy
+        of :meth:`score_sq_norms` that verl's optimal baseline uses. One no-grad forward of
+        ``model`` per micro-batch of ``plan``; a row without actions gets 0."""
+        norm = packed_token_logit_sq_norms if self._is_packed() else token_logit_sq_norms
+
+        def norms(ids: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+            return norm(model, ids, attn, temperature=temperature)
+
+        per_token = score_rows(norms, batch.input_ids, batch.attention_mask, plan).double()
+        factors = weigh(torch.ones_like(per_token), batch.mask)
+        return torch.where(batch.mask, factors.square() * per_token, 0.0).sum(dim=1)
 
     def score_values(
         self, critic: nn.Module | None, batch: RolloutBatch, plan: list[MicroBatch]

@@ -231,17 +231,21 @@ def test_the_optimal_baseline_arm_differs_from_grpo_only_in_its_baseline():
     )
     assert optimal["model"]["value_target"]["init_args"].pop("optimal_baseline") is True
     assert optimal == grpo
+    proxy = yaml.safe_load((CONFIGS / "targets" / "grpo_opob_logits.yaml").read_text())
+    assert proxy["model"]["value_target"]["init_args"].pop("score_norm") == "logits"
+    assert proxy["model"]["value_target"]["init_args"].pop("optimal_baseline") is True
+    assert proxy == grpo
 
 
 @pytest.mark.slow
 def test_the_optimal_baseline_trains_on_stale_groups_with_other_advantages_than_grpo(tmp_path):
-    """GRPO and its optimal-baseline overlay from the same seed, 2 versions stale: both see the
-    same first batch; the baseline weighted by w² ‖g‖² gives other advantages (the responses'
-    gradient norms differ) and so another actor. That the norm pass writes no ``.grad`` is
+    """GRPO and its optimal-baseline overlays (exact norms and the logit proxy) from the same seed,
+    2 versions stale: all see the same first batch; the baseline weighted by w² ‖g‖² gives other
+    advantages (the responses' gradient norms differ) and so another actor. That the norm pass writes no ``.grad`` is
     tested on the Scorer (test_module.py)."""
     stale = ("--data.lag=2", "--data.max_staleness=2", PARITY, "--data.samples_per_prompt=4")
     scalars, actors = {}, {}
-    for name in ("grpo", "grpo_opob"):
+    for name in ("grpo", "grpo_opob", "grpo_opob_logits"):
         overlay = str(CONFIGS / "targets" / f"{name}.yaml")
         cli = run(small_run(tmp_path / name, "--config", overlay, *stale, steps=3))
         assert cli.model.critic is None and cli.model.policy_version == 3
@@ -249,9 +253,10 @@ def test_the_optimal_baseline_trains_on_stale_groups_with_other_advantages_than_
         actors[name] = actor_weights(cli)
     assert max(value for _, value in scalars["grpo_opob"]["data/staleness_max"]) == 2.0
     rewards = [[v for _, v in scalars[n]["rollout/reward"]][0] for n in scalars]
-    assert rewards[0] == rewards[1]  # the same first batch
-    assert [v for _, v in scalars["grpo"]["rollout/advantage_std"]] != [
-        v for _, v in scalars["grpo_opob"]["rollout/advantage_std"]
-    ]
+    assert rewards[0] == rewards[1] == rewards[2]  # the same first batch
+    stds = {n: [v for _, v in scalars[n]["rollout/advantage_std"]] for n in scalars}
+    assert stds["grpo"] != stds["grpo_opob"] and stds["grpo"] != stds["grpo_opob_logits"]
+    assert stds["grpo_opob"] != stds["grpo_opob_logits"]  # another norm, other weights
     first = next(iter(actors["grpo"]))
-    assert not torch.equal(actors["grpo"][first], actors["grpo_opob"][first])
+    for name in ("grpo_opob", "grpo_opob_logits"):
+        assert not torch.equal(actors["grpo"][first], actors[name][first])

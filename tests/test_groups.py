@@ -250,6 +250,12 @@ def test_the_optimal_baseline_needs_the_norms_and_a_bool():
         RLOO(optimal_baseline=True)(**target_kwargs(0))
     with pytest.raises(ValueError, match="optimal_baseline must be a bool; got 'yes'"):
         GRPO(optimal_baseline="yes")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="score_norm must be 'parameters' or 'logits'; got 'grad'"):
+        DrGRPO(optimal_baseline=True, score_norm="grad")
+    with pytest.raises(ValueError, match="score_norm is read only with optimal_baseline=True"):
+        GRPO(score_norm="logits")
+    assert GRPO().score_norm == "parameters"
+    assert GRPO(optimal_baseline=True, score_norm="logits").score_norm == "logits"
 
 
 def test_critic_free_targets_need_no_critic_and_need_group_ids():

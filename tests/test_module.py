@@ -23,13 +23,14 @@ from brace_lightning.models.copies import (
     ReferencePolicy,
     upgrade_checkpoint_keys,
 )
-from brace_lightning.models.policy import token_logprobs
+from brace_lightning.models.policy import position_ids_from_attention_mask, token_logprobs
 from brace_lightning.module import BraceModule, shift_values
 from brace_lightning.objectives import PPOEWMA
 from brace_lightning.objectives.aggregation import LossAggregation
 from brace_lightning.ranks import Ranks, whiten
 from brace_lightning.scorer import Scored, Scorer
 from brace_lightning.step_metrics import UpdateStats
+from brace_lightning.targets import GRPO
 from tests.test_kl_reference import fit_steps, fixed_batch, sgd_module, weights
 
 TINY: dict[str, Any] = {"tiny_hidden_size": 32, "tiny_num_layers": 1, "seed": 0}
@@ -130,17 +131,60 @@ def test_score_sq_norms_match_a_float64_reference_on_the_padded_batch(packed, mo
     assert float(got[5]) == 0.0 and bool((got[:5] > 0).all())
 
 
-def test_the_scorer_refuses_score_norms_for_an_fsdp2_actor_in_one_sentence() -> None:
+@pytest.mark.parametrize(("packed", "chunked"), [(False, True), (False, False), (True, True)])
+@pytest.mark.parametrize("mode", ["token_mean", "seq_mean_token_mean"])
+def test_logit_sq_norms_match_a_float64_reference_on_the_padded_batch(
+    packed, mode, chunked
+) -> None:
+    """Each row's Σ_t f_i² ‖e_{y_t} − π_t‖² / τ² (the forward-only proxy) equals the squared norm of
+    the gradient of that row's f_i-weighted log-probs with respect to the logits of one padded
+    float64 forward of the whole batch, on packed and padded micro-batches (two of them), through
+    the chunked LM head and the full logits; a row without actions gets 0."""
+    module = BraceModule(**TINY)
+    actor = module.actor.double()
+    batch = fixed_batch()
+    batch.mask[5] = False  # no actions
+    temperature = 0.7
+    scorer = Scorer(micro_batch_size=3, max_tokens=None, pack_sequences=packed)
+    scorer.prepare(actor, None, [])
+    plan = scorer.plan(batch.attention_mask)
+    assert len(plan) == 2
+    if not chunked:  # packed rows always use the chunked head
+        actor.get_output_embeddings = lambda: None  # no plain linear head: the full logits
+    got = scorer.logit_sq_norms(actor, batch, plan, temperature, LossAggregation(mode).weigh)
+    assert got.dtype == torch.float64 and all(p.grad is None for p in actor.parameters())
+    ids, attn = batch.input_ids, batch.attention_mask
+    with torch.no_grad():
+        inputs = {"attention_mask": attn, "position_ids": position_ids_from_attention_mask(attn)}
+        logits = type(actor).forward(actor, ids, **inputs).logits
+    logits = logits.detach().requires_grad_(True)
+    assert logits.dtype == torch.float64
+    picked = torch.log_softmax(logits[:, :-1] / temperature, dim=-1).gather(-1, ids[:, 1:, None])
+    for i in range(len(batch) - 1):
+        total = picked[i, :, 0][batch.mask[i, 1:]].sum()
+        if mode == "seq_mean_token_mean":
+            total = total / batch.mask[i].sum()
+        (grad,) = torch.autograd.grad(total, logits, retain_graph=True)
+        assert float(got[i]) == pytest.approx(float(grad.square().sum()), rel=1e-9), i
+    assert float(got[5]) == 0.0 and bool((got[:5] > 0).all())
+
+
+def test_the_scorer_refuses_exact_score_norms_for_an_fsdp2_actor_in_one_sentence() -> None:
     class Sharded(FSDPModule, torch.nn.Linear):
         pass
 
     sharded = torch.nn.Linear(2, 2)
     sharded.__class__ = Sharded  # as fully_shard swaps a module's class
     scorer = Scorer(micro_batch_size=None, max_tokens=None, pack_sequences=False)
+    exact, proxy = GRPO(optimal_baseline=True), GRPO(optimal_baseline=True, score_norm="logits")
     with pytest.raises(ValueError, match="optimal_baseline=True needs each row's gradient norm"):
-        scorer.prepare(sharded, None, [], score_norms=True)
-    scorer.prepare(torch.nn.Linear(2, 2), None, [], score_norms=True)  # unsharded: fine
+        scorer.prepare(sharded, None, [], exact)
+    scorer.prepare(torch.nn.Linear(2, 2), None, [], exact)  # unsharded: fine
     assert scorer.packed is False
+    for target in (proxy, GRPO(), None):  # forward-only norms, or none: fine sharded
+        Scorer(micro_batch_size=None, max_tokens=None, pack_sequences=False).prepare(
+            sharded, None, [], target
+        )
 
 
 def test_a_batch_without_actions_is_refused_with_the_producers_counts() -> None:

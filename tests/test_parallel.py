@@ -408,7 +408,8 @@ def test_two_ranks_train_like_one_process_on_the_concatenated_batch(
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("strategy", "target"), [("fsdp", "GRPO"), ("ddp", "GRPO"), ("ddp", "GRPO_OPOB")]
+    ("strategy", "target"),
+    [("fsdp", "GRPO"), ("ddp", "GRPO"), ("ddp", "GRPO_OPOB"), ("fsdp", "GRPO_OPOB_LOGITS")],
 )
 def test_two_ranks_train_a_critic_free_target_like_one_process(
     strategy: str, target: str, tmp_path: Path
@@ -417,7 +418,8 @@ def test_two_ranks_train_a_critic_free_target_like_one_process(
     # reduction; the sequence-mean aggregation divides by the rows of both ranks. Rank 0 cuts its
     # rows into more micro-batches than the single process (12-token budget), on packed rows.
     # GRPO_OPOB: each rank's per-row autograd.grad passes (VCPO's optimal baseline) leave DDP's
-    # gradient averaging of the update intact.
+    # gradient averaging of the update intact. GRPO_OPOB_LOGITS: its forward-only norms run on
+    # the sharded actor, micro-batch by micro-batch as the scoring (exact norms are refused there).
     grpo = ("--target", target, "--aggregation", "seq_mean_token_mean", "--steps", "2")
     _driver(tmp_path / "single", "fixed", *grpo)
     reports = _driver(

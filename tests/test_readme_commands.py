@@ -80,6 +80,7 @@ BENCHMARK_QUICK_ARGS = {
     "--repeats 1 --threads 1 --ladder-start 32 --max-length 64 --memory-gib 8",
     "value_targets": "--repeats 1 --loop-repeats 1 --shapes 2x128 --threads 1",
     "train_step": "--steps 2 --repeats 1 --threads 1",
+    "score_norms": "--warm-starts 0 --steps 1 --lags 0 --threads 1",
     "embedded_decoding": "--repeats 1 --sizes 32x1 --tokens 8",
     "weight_handoff": "--repeats 1 --sizes 64x1",
     "objectives_grid": "--seeds 0 --steps 2 --objectives ppo --targets gae --warm-start-steps 2 "

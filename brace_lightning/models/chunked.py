@@ -230,3 +230,36 @@ def chunked_head_logprobs(
         hidden, weight, bias, targets, float(temperature), chunk_size, return_entropy
     )
     return logprobs, entropy if return_entropy else None
+
+
+def logit_sq_norms(log_p: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    """``‖∂ log p_y / ∂ l‖²`` per position, ``l`` the raw logits and ``p = softmax(l / temperature)``
+    (``log_p`` ``[..., V]``, ``targets`` ``[...]``): ``‖e_y − p‖² / temperature²``, formed as
+    ``(1 − p_y)² + Σ_{v≠y} p_v²`` so that it keeps its precision as ``p_y → 1``. Summed over a
+    response it is the logit-gradient proxy of ``‖∇_θ log π(y)‖²`` (verl's ``1 − 2π_t + Σπ²``)."""
+    picked = log_p.gather(-1, targets[..., None])
+    others = log_p.exp().scatter(-1, targets[..., None], 0.0)
+    return (torch.expm1(picked[..., 0]).square() + others.square().sum(-1)) / temperature**2
+
+
+def chunked_head_logit_sq_norms(
+    hidden: torch.Tensor,
+    head: nn.Linear,
+    targets: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> torch.Tensor:
+    """:func:`logit_sq_norms` of ``head(hidden)`` at ``targets`` (``[N]`` float32, float64 for
+    float64 inputs), ``chunk_size`` positions at a time and without a graph (the arguments are
+    :func:`chunked_head_logprobs`')."""
+    weight, bias = _full(head.weight), _full(head.bias)
+    out = hidden.new_zeros(
+        hidden.shape[0], dtype=accumulation_dtype(torch.promote_types(hidden.dtype, weight.dtype))
+    )
+    with torch.no_grad():
+        for start in range(0, hidden.shape[0], chunk_size):
+            rows = slice(start, start + chunk_size)
+            z, log_z, _ = _chunk_stats(hidden[rows], weight, bias, targets[rows], temperature)
+            out[rows] = logit_sq_norms(z - log_z[:, None], targets[rows], temperature)
+    return out

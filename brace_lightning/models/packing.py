@@ -18,7 +18,7 @@ runs the model once on two short rows, packed and one by one, and compares the f
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -34,6 +34,7 @@ from transformers.masking_utils import (
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from brace_lightning.models.chunked import (
+    chunked_head_logit_sq_norms,
     chunked_head_logprobs,
     final_hidden_states,
     linear_lm_head,
@@ -203,31 +204,64 @@ def packed_token_logprobs(
     Returns:
         ``(logprobs, entropy)`` laid out ``[B, T]`` like ``token_logprobs``.
     """
+    head, hidden, targets, unpack = _packed_head_inputs(
+        "packed_token_logprobs", model, input_ids, attention_mask
+    )
+    picked, ent = chunked_head_logprobs(
+        hidden,
+        head,
+        targets,
+        temperature=temperature,
+        chunk_size=chunk_size,
+        return_entropy=return_entropy,
+    )
+    return unpack(picked), None if ent is None else unpack(ent)
+
+
+def packed_token_logit_sq_norms(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """:func:`~brace_lightning.models.policy.token_logit_sq_norms` computed on the packed rows
+    (the arguments are :func:`packed_token_logprobs`'); no graph is built."""
+    with torch.no_grad():
+        head, hidden, targets, unpack = _packed_head_inputs(
+            "packed_token_logit_sq_norms", model, input_ids, attention_mask
+        )
+        norms = chunked_head_logit_sq_norms(
+            hidden, head, targets, temperature=temperature, chunk_size=chunk_size
+        )
+        return unpack(norms)
+
+
+def _packed_head_inputs(
+    caller: str, model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> tuple[nn.Linear, torch.Tensor, torch.Tensor, Callable[[torch.Tensor], torch.Tensor]]:
+    """One packed forward of left-padded rows to the LM head's input: the head, the ``[N, H]``
+    hidden states of the positions whose next token is in the same row, those ``[N]`` tokens,
+    and the map that lays ``[N]`` per-position values out as the ``[B, T]`` rows (each at its
+    token's own column, 0 elsewhere)."""
     head = linear_lm_head(model)
     if head is None:
         raise ValueError(
-            f"packed_token_logprobs got a {type(model).__name__} whose output embedding is "
+            f"{caller} got a {type(model).__name__} whose output embedding is "
             f"{type(model.get_output_embeddings()).__name__}; expected a plain nn.Linear LM head."
         )
     packed_ids, positions = pack_rows(input_ids, attention_mask)
     with packed_forward():
         hidden = final_hidden_states(model, input_ids=packed_ids, position_ids=positions)[0]
     scored = positions[0, 1:] != 0  # the next token belongs to the same row
-    picked, ent = chunked_head_logprobs(
-        hidden[:-1][scored],
-        head,
-        packed_ids[0, 1:][scored],
-        temperature=temperature,
-        chunk_size=chunk_size,
-        return_entropy=return_entropy,
-    )
-    flat = picked.new_zeros(packed_ids.shape[1])
     predicted = torch.cat([scored.new_zeros(1), scored])  # positions with a scored predecessor
 
     def unpack(values: torch.Tensor) -> torch.Tensor:
+        flat = values.new_zeros(packed_ids.shape[1])
         return unpack_rows(flat.masked_scatter(predicted, values), attention_mask)
 
-    return unpack(picked), None if ent is None else unpack(ent)
+    return head, hidden[:-1][scored], packed_ids[0, 1:][scored], unpack
 
 
 def packed_values(

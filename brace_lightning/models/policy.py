@@ -21,9 +21,11 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from brace_lightning.models.chunked import (
     accumulation_dtype,
+    chunked_head_logit_sq_norms,
     chunked_head_logprobs,
     final_hidden_states,
     linear_lm_head,
+    logit_sq_norms,
 )
 
 
@@ -261,6 +263,49 @@ def token_logprobs(
     ent = -(log_p.exp() * log_p).sum(dim=-1)
     entropy = torch.cat([zeros, torch.where(valid, ent, torch.zeros_like(ent))], dim=1)
     return logprobs, entropy
+
+
+def token_logit_sq_norms(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int | None = DEFAULT_CHUNK_SIZE,
+) -> torch.Tensor:
+    """``[B, T]``: at every token's own column, the squared norm of its log-prob's gradient with
+    respect to the logits that predict it (:func:`~brace_lightning.models.chunked.logit_sq_norms`),
+    laid out and zeroed as :func:`token_logprobs`, whose arguments these are; no graph is built.
+    A response's sum is the forward-only proxy of its score-gradient norm (verl's optimal baseline
+    and OTB)."""
+    if not temperature > 0:
+        raise ValueError(
+            f"token_logit_sq_norms got temperature={temperature}; expected a value > 0."
+        )
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_attention_mask(attention_mask),
+    }
+    real = attention_mask.bool()
+    valid = real[:, 1:] & real[:, :-1]
+    head = None if chunk_size is None else linear_lm_head(model)
+    with torch.no_grad():
+        if head is not None:
+            hidden = final_hidden_states(model, **inputs)[:, :-1][valid]
+            norms = chunked_head_logit_sq_norms(
+                hidden,
+                head,
+                input_ids[:, 1:][valid],
+                temperature=temperature,
+                chunk_size=chunk_size,
+            )
+            return _scatter_columns(norms, valid)
+        logits = model(**inputs, use_cache=False).logits[:, :-1]
+        z = logits.to(accumulation_dtype(logits.dtype)) / temperature
+        norms = logit_sq_norms(torch.log_softmax(z, dim=-1), input_ids[:, 1:], temperature)
+        zeros = norms.new_zeros(input_ids.shape[0], 1)
+        return torch.cat([zeros, torch.where(valid, norms, torch.zeros_like(norms))], dim=1)
 
 
 def _scatter_columns(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,10 @@ class ValueTarget:
     #: one backward per row; only the group-relative targets' ``optimal_baseline`` does).
     needs_score_norms: bool = False
 
+    #: Which norm the trainer passes as ``score_sq_norms``: ``"parameters"`` (‖∇_θ log π_θ(y)‖²,
+    #: exact) or ``"logits"`` (its forward-only proxy, the norm with respect to the logits).
+    score_norm: str = "parameters"
+
     def __call__(
         self,
         *,
@@ -275,6 +279,7 @@ class GroupRelative(ValueTarget):
         eps: float = 1e-4,
         baseline_rho_bar: float | None = None,
         optimal_baseline: bool = False,
+        score_norm: str = "parameters",
     ) -> None:
         """
         Args:
@@ -287,6 +292,10 @@ class GroupRelative(ValueTarget):
                 w_i² ‖∇_θ log π_θ(y_i)‖² (w_i the sequence ratio π/µ, truncated at
                 ``baseline_rho_bar`` if set). Costs one actor backward per row each step; not
                 supported with FSDP2. Default False.
+            score_norm: the ‖g_i‖² of ``optimal_baseline``: ``"parameters"`` (default: exact, the
+                per-row backward) or ``"logits"``: Σ_t ‖e_{y_t} − π_t‖², the norm with respect to
+                the logits (verl's proxy 1 − 2π_t(y_t) + Σπ_t²; one no-grad forward a step,
+                FSDP2 included). Read only with ``optimal_baseline=True``.
         """
         if not isinstance(eps, int | float) or isinstance(eps, bool) or not 0.0 <= eps < 1.0:
             raise ValueError(f"eps must be a number in [0, 1); got {eps!r}.")
@@ -300,9 +309,17 @@ class GroupRelative(ValueTarget):
                 f"{baseline_rho_bar!r}."
             )
         require_bool("optimal_baseline", optimal_baseline)
+        if score_norm not in ("parameters", "logits"):
+            raise ValueError(f"score_norm must be 'parameters' or 'logits'; got {score_norm!r}.")
+        if score_norm != "parameters" and not optimal_baseline:
+            raise ValueError(
+                f"score_norm is read only with optimal_baseline=True; got score_norm={score_norm!r} "
+                "with optimal_baseline=False."
+            )
         self.eps = eps
         self.baseline_rho_bar = baseline_rho_bar
         self.optimal_baseline = optimal_baseline
+        self.score_norm = score_norm
 
     @property
     def needs_critic(self) -> bool:

@@ -190,10 +190,12 @@ def run_fixed(args: argparse.Namespace) -> None:
     else:
         strategy = "auto"
     # --target GRPO: critic-free (groups of 2 rows, each on one rank); no meta init without a critic.
-    # GRPO_OPOB: with VCPO's optimal baseline (one autograd.grad per row before the update).
+    # GRPO_OPOB: with VCPO's optimal baseline (one autograd.grad per row before the update);
+    # GRPO_OPOB_LOGITS: with its forward-only norms (one no-grad forward per micro-batch).
     critic_free = {
         "GRPO": {"value_target": GRPO()},
         "GRPO_OPOB": {"value_target": GRPO(optimal_baseline=True)},
+        "GRPO_OPOB_LOGITS": {"value_target": GRPO(optimal_baseline=True, score_norm="logits")},
     }.get(args.target, {})
     module = BraceModule(
         **critic_free,
@@ -259,7 +261,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=None)
     parser.add_argument("--pack", action="store_true", help="BraceModule(pack_sequences=True)")
     parser.add_argument("--stop-after", type=int, default=0)
-    parser.add_argument("--target", choices=["BRACE", "GRPO", "GRPO_OPOB"], default="BRACE")
+    parser.add_argument(
+        "--target", choices=["BRACE", "GRPO", "GRPO_OPOB", "GRPO_OPOB_LOGITS"], default="BRACE"
+    )
     parser.add_argument("--aggregation", default="token_mean", help="BraceModule(loss_aggregation)")
     parser.add_argument("--resume", type=str, default=None)
     args = parser.parse_args(argv)
