@@ -11,9 +11,10 @@ target runs with the recipe's hyperparameters; only the target class differs:
 - ``vtrace``: ``configs/targets/vtrace.yaml`` (ρ̄ = c̄ = 1)
 - ``brace``: ``configs/targets/brace.yaml`` (k = 100, ρ̄ = 1.2, c̄ = 1.1, Monte-Carlo tail)
 - ``brace_notail``: the same with ``mc_tail: false`` (``configs/targets/brace_notail.yaml``)
-- ``grpo``, ``grpo_is``, ``grpo_opob`` (named in ``--targets``): critic-free GRPO with the group
-  mean, with the importance-weighted group baseline and with VCPO's off-policy optimal baseline
-  (``configs/targets/grpo.yaml``, ``grpo_is.yaml``, ``grpo_opob.yaml``)
+- ``grpo``, ``grpo_is``, ``grpo_opob``, ``grpo_opob_logits`` (named in ``--targets``): critic-free
+  GRPO with the group mean, with the importance-weighted group baseline and with VCPO's off-policy
+  optimal baseline, exact or with the forward-only norm (``configs/targets/grpo.yaml``,
+  ``grpo_is.yaml``, ``grpo_opob.yaml``, ``grpo_opob_logits.yaml``)
 
 A cell writes its TensorBoard events under ``OUT/cells/lag<S>/<target>/seed<N>/`` and, when the run
 exits cleanly, a ``done.json`` marker; cells with a marker are skipped, so a rerun resumes. Cells run
@@ -79,7 +80,7 @@ TARGETS |= {name: ["--config", str(target_config(name))] for name in ("brace_rho
 # Critic-free arms (no critic, so no val/value_gap_mc): GRPO with µ's plain group mean, with the
 # importance-weighted group baseline and with VCPO's optimal baseline (docs/value_targets.md); not
 # run unless named in --targets.
-CRITIC_FREE = ("grpo", "grpo_is", "grpo_opob")
+CRITIC_FREE = ("grpo", "grpo_is", "grpo_opob", "grpo_opob_logits")
 TARGETS |= {name: ["--config", str(target_config(name))] for name in CRITIC_FREE}
 #: The issue's four targets: the default grid.
 DEFAULT_TARGETS = ["gae", "vtrace", "brace", "brace_notail"]
