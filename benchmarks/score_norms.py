@@ -86,18 +86,20 @@ def spearman(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def baselines(record: dict[str, torch.Tensor], norm: str | None) -> dict[int, float]:
-    """Per prompt group whose rewards differ: Σ W r / Σ W with W = w² · ``record[norm]`` (the
-    trainer's weights, :func:`~brace_lightning.targets.groups.optimal_baseline_weights`), or the
-    plain mean of the rewards for ``norm`` None."""
+    """Per prompt group whose rewards differ: the trainer's group baseline Σ W r / Σ W
+    (reward minus DrGRPO's advantage, :func:`~brace_lightning.targets.groups.group_advantages`)
+    with W = w² · ``record[norm]`` (:func:`~brace_lightning.targets.groups.
+    optimal_baseline_weights`), or the plain mean of the rewards for ``norm`` None."""
     rewards, ids = record["rewards"], record["groups"]
-    weights = torch.ones_like(rewards)
+    weights = None
     if norm is not None:
-        weights = groups.optimal_baseline_weights(record["ratios"], record[norm], ids).double()
+        weights = groups.optimal_baseline_weights(record["ratios"], record[norm], ids)
+    baseline = rewards - groups.group_advantages(rewards, ids, "DrGRPO", weights=weights)
     out = {}
     for group in ids.unique().tolist():
-        rows = ids == group
-        if bool((rewards[rows] != rewards[rows][0]).any()):
-            out[group] = float((weights[rows] * rewards[rows]).sum() / weights[rows].sum())
+        rows = (ids == group).nonzero()[:, 0]
+        if bool((rewards[rows] != rewards[rows[0]]).any()):
+            out[group] = float(baseline[rows[0]])
     return out
 
 

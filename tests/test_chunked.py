@@ -14,7 +14,12 @@ from brace_lightning.models.chunked import (
     linear_lm_head,
     logit_sq_norms,
 )
-from brace_lightning.models.policy import load_causal_lm, tiny_qwen2_config, token_logprobs
+from brace_lightning.models.policy import (
+    load_causal_lm,
+    tiny_qwen2_config,
+    token_logit_sq_norms,
+    token_logprobs,
+)
 
 
 def _left_pad(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -228,3 +233,16 @@ def test_logit_sq_norms_are_the_logit_gradient_norms_and_keep_their_precision_ne
         logits, head, targets, temperature=temperature, chunk_size=3
     )
     torch.testing.assert_close(chunked, want, rtol=1e-9, atol=0.0)
+
+
+@pytest.mark.parametrize("fn", [token_logprobs, token_logit_sq_norms])
+def test_the_padded_passes_refuse_bad_arguments_in_one_sentence_naming_themselves(fn) -> None:
+    ids, mask = _left_pad(ROWS)
+    model = nn.Linear(2, 2)  # never run: the arguments are checked first
+    name = fn.__name__
+    with pytest.raises(ValueError, match=f"^{name} got temperature=0; expected a value > 0.$"):
+        fn(model, ids, mask, temperature=0)
+    with pytest.raises(ValueError, match=f"^{name} got chunk_size=0; expected None or an integer"):
+        fn(model, ids, mask, chunk_size=0)
+    with pytest.raises(ValueError, match=rf"^{name} got attention_mask of shape \(3, 9\)"):
+        fn(model, ids, mask[:, 1:])

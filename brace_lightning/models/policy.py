@@ -218,26 +218,9 @@ def token_logprobs(
         ``(logprobs, entropy)``, both ``[B, T]`` float32 (float64 for a float64 model);
         ``entropy`` is None unless requested.
     """
-    if not temperature > 0:
-        raise ValueError(f"token_logprobs got temperature={temperature}; expected a value > 0.")
-    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
-        raise ValueError(
-            f"token_logprobs got attention_mask of shape {tuple(attention_mask.shape)}; expected "
-            f"[B, T] equal to input_ids' {tuple(input_ids.shape)}."
-        )
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(
-            f"token_logprobs got chunk_size={chunk_size!r}; expected None or an integer >= 1."
-        )
-    position_ids = position_ids_from_attention_mask(attention_mask)
-    inputs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids,
-    }
-    real = attention_mask.bool()
-    valid = real[:, 1:] & real[:, :-1]
-    head = None if chunk_size is None else linear_lm_head(model)
+    inputs, valid, head = _head_inputs(
+        "token_logprobs", model, input_ids, attention_mask, temperature, chunk_size
+    )
     if head is not None:
         hidden = final_hidden_states(model, **inputs)[:, :-1][valid]  # [N, H], real positions only
         picked, ent = chunked_head_logprobs(
@@ -254,15 +237,11 @@ def token_logprobs(
     logits = logits[:, :-1].to(accumulation_dtype(logits.dtype)) / temperature  # [B, T-1, V]
     log_z = torch.logsumexp(logits, dim=-1)  # [B, T-1]
     picked = logits.gather(-1, input_ids[:, 1:, None]).squeeze(-1) - log_z
-    zeros = logits.new_zeros(input_ids.shape[0], 1)
-    # torch.where (not a product) so garbage logits at padding can never leak into the result.
-    logprobs = torch.cat([zeros, torch.where(valid, picked, torch.zeros_like(picked))], dim=1)
+    logprobs = _pad_columns(picked, valid)
     if not return_entropy:
         return logprobs, None
     log_p = logits - log_z[..., None]
-    ent = -(log_p.exp() * log_p).sum(dim=-1)
-    entropy = torch.cat([zeros, torch.where(valid, ent, torch.zeros_like(ent))], dim=1)
-    return logprobs, entropy
+    return logprobs, _pad_columns(-(log_p.exp() * log_p).sum(dim=-1), valid)
 
 
 def token_logit_sq_norms(
@@ -278,18 +257,9 @@ def token_logit_sq_norms(
     laid out and zeroed as :func:`token_logprobs`, whose arguments these are; no graph is built.
     A response's sum is the forward-only proxy of its score-gradient norm (verl's optimal baseline
     and OTB)."""
-    if not temperature > 0:
-        raise ValueError(
-            f"token_logit_sq_norms got temperature={temperature}; expected a value > 0."
-        )
-    inputs = {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "position_ids": position_ids_from_attention_mask(attention_mask),
-    }
-    real = attention_mask.bool()
-    valid = real[:, 1:] & real[:, :-1]
-    head = None if chunk_size is None else linear_lm_head(model)
+    inputs, valid, head = _head_inputs(
+        "token_logit_sq_norms", model, input_ids, attention_mask, temperature, chunk_size
+    )
     with torch.no_grad():
         if head is not None:
             hidden = final_hidden_states(model, **inputs)[:, :-1][valid]
@@ -304,8 +274,47 @@ def token_logit_sq_norms(
         logits = model(**inputs, use_cache=False).logits[:, :-1]
         z = logits.to(accumulation_dtype(logits.dtype)) / temperature
         norms = logit_sq_norms(torch.log_softmax(z, dim=-1), input_ids[:, 1:], temperature)
-        zeros = norms.new_zeros(input_ids.shape[0], 1)
-        return torch.cat([zeros, torch.where(valid, norms, torch.zeros_like(norms))], dim=1)
+        return _pad_columns(norms, valid)
+
+
+def _head_inputs(
+    caller: str,
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    temperature: float,
+    chunk_size: int | None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor, torch.nn.Linear | None]:
+    """The checked arguments of a per-token pass over padded rows (``caller`` names it in the
+    errors): the model's inputs (with position ids), ``valid`` ``[B, T − 1]`` (a position and its
+    successor are both real) and the LM head of the chunked path (None: the full logits)."""
+    if not temperature > 0:
+        raise ValueError(f"{caller} got temperature={temperature}; expected a value > 0.")
+    if input_ids.shape != attention_mask.shape or input_ids.dim() != 2:
+        raise ValueError(
+            f"{caller} got attention_mask of shape {tuple(attention_mask.shape)}; expected "
+            f"[B, T] equal to input_ids' {tuple(input_ids.shape)}."
+        )
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(
+            f"{caller} got chunk_size={chunk_size!r}; expected None or an integer >= 1."
+        )
+    inputs = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "position_ids": position_ids_from_attention_mask(attention_mask),
+    }
+    real = attention_mask.bool()
+    valid = real[:, 1:] & real[:, :-1]
+    return inputs, valid, None if chunk_size is None else linear_lm_head(model)
+
+
+def _pad_columns(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """``[B, T − 1]`` per-position values of the full path laid out as ``[B, T]``: column 0 and
+    every position not ``valid`` get 0 (``torch.where``, not a product, so garbage logits at
+    padding can never leak into the result)."""
+    zeros = values.new_zeros(values.shape[0], 1)
+    return torch.cat([zeros, torch.where(valid, values, torch.zeros_like(values))], dim=1)
 
 
 def _scatter_columns(values: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
